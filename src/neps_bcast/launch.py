@@ -1,0 +1,188 @@
+"""Launch detection: how this process was started and what that makes it.
+
+Three kinds of launch, in the order they are checked:
+
+1. ``lightning_child``: a process that Lightning's subprocess script launcher re-ran
+   from the leader's script (``LOCAL_RANK >= 1`` plus the ``NEPS_BCAST_LEADER``
+   variable our leader sets before it calls the user's function). Checked first: such a
+   child inherits every variable of its leader, including a SLURM or torchrun parent's.
+2. ``external``: every rank was started by a launcher (torchrun / torchelastic, SLURM
+   ``srun``, or plain ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``).
+   TorchElastic comes before SLURM because torchrun is often run inside a SLURM job:
+   then the SLURM variables describe the job, not the ranks (Lightning orders its
+   detection the same way). Lightning's ``ClusterEnvironment`` classes do the parsing.
+3. ``single``: anything else. This process is a leader; its function may still start
+   a DDP group of its own (Lightning ``strategy="ddp"``, ``ddp_spawn``, ``mp.spawn``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from neps_bcast.errors import LaunchError, format_message
+
+LaunchKind = Literal["single", "lightning_child", "external"]
+
+ENV_LEADER = "NEPS_BCAST_LEADER"
+"""``host:port`` of the leader's control store; set by the leader for Lightning's children."""
+ENV_FIRST_SEQ = "NEPS_BCAST_FIRST_SEQ"
+"""Sequence number of the trial a Lightning child must evaluate first."""
+ENV_LEADER_ADDR = "NEPS_BCAST_LEADER_ADDR"
+"""Optional: the address other nodes use to reach the leader (external launches)."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    kind: LaunchKind
+    launcher: str
+    global_rank: int
+    world_size: int | None
+    local_rank: int
+    node_rank: int
+    main_address: str | None = None
+    main_port: int | None = None
+    leader_store: str | None = None
+    first_seq: int | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.global_rank == 0
+
+
+def _int_env(name: str, env: dict[str, str]) -> int:
+    raw = env.get(name, "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(
+            format_message(
+                "neps_bcast launch",
+                f"environment variable {name}={raw!r} is not an integer.",
+                f"unset {name} or set it to this process's value as the launcher would.",
+            )
+        ) from None
+
+
+def detect(environ: dict[str, str] | None = None) -> Launch:
+    """Work out the kind of launch from the environment (``os.environ`` by default)."""
+    env = dict(os.environ if environ is None else environ)
+    local_rank = _int_env("LOCAL_RANK", env) if "LOCAL_RANK" in env else 0
+
+    if ENV_LEADER in env and local_rank >= 1 and "TORCHELASTIC_RUN_ID" not in env:
+        return _lightning_child(env, local_rank)
+
+    from lightning.fabric.plugins.environments import (
+        LightningEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    cluster: TorchElasticEnvironment | SLURMEnvironment | LightningEnvironment | None = None
+    launcher = "none"
+    saved = os.environ.copy()
+    try:
+        # Lightning's classes read os.environ: give them the environment under test.
+        os.environ.clear()
+        os.environ.update(env)
+        if TorchElasticEnvironment.detect():
+            cluster, launcher = TorchElasticEnvironment(), "torchelastic"
+        elif SLURMEnvironment.detect():
+            cluster, launcher = SLURMEnvironment(), "slurm"
+        elif all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+            cluster, launcher = LightningEnvironment(), "env"
+        if cluster is not None:
+            world_size = (
+                _int_env("WORLD_SIZE", env) if launcher == "env" else cluster.world_size()
+            )
+            global_rank = _int_env("RANK", env) if launcher == "env" else cluster.global_rank()
+            if launcher == "env":
+                cluster_local, node_rank = local_rank, _int_env("NODE_RANK", env) if "NODE_RANK" in env else 0
+            else:
+                cluster_local, node_rank = cluster.local_rank(), cluster.node_rank()
+            address, port = cluster.main_address, cluster.main_port
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+    if cluster is not None and world_size is not None and world_size > 1:
+        if not 0 <= global_rank < world_size:
+            raise LaunchError(
+                format_message(
+                    "neps_bcast launch",
+                    f"{launcher} launch gives rank {global_rank} outside a world of size"
+                    f" {world_size}.",
+                    "check the launcher's RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS).",
+                )
+            )
+        return Launch(
+            kind="external",
+            launcher=launcher,
+            global_rank=global_rank,
+            world_size=world_size,
+            local_rank=cluster_local,
+            node_rank=node_rank,
+            main_address=address,
+            main_port=port,
+        )
+
+    if local_rank >= 1:
+        raise LaunchError(
+            format_message(
+                f"neps_bcast rank ?/? (LOCAL_RANK={local_rank})",
+                f"this process has LOCAL_RANK={local_rank} but neither a launcher"
+                f" (torchrun, srun, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) nor the"
+                f" {ENV_LEADER} variable a neps_bcast leader gives Lightning's children."
+                " Calling NePS here would start a second, unrelated NePS worker.",
+                "call neps_bcast.run before any trainer.fit (Lightning's children are"
+                " started by the first fit and must inherit the leader's environment),"
+                " or launch with torchrun / srun.",
+            )
+        )
+    if "NODE_RANK" in env and env["NODE_RANK"] not in ("", "0"):
+        raise LaunchError(
+            format_message(
+                "neps_bcast launch",
+                f"NODE_RANK={env['NODE_RANK']} without torchrun or srun: Lightning's"
+                " manual multi-node launch is not supported.",
+                "launch several nodes with torchrun (--nnodes, c10d rendezvous) or srun.",
+            )
+        )
+    return Launch(kind="single", launcher=launcher, global_rank=0, world_size=None,
+                  local_rank=0, node_rank=0)
+
+
+def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
+    node_rank = _int_env("NODE_RANK", env) if "NODE_RANK" in env else 0
+    if node_rank != 0:
+        raise LaunchError(
+            format_message(
+                f"neps_bcast rank ?/? (LOCAL_RANK={local_rank}, NODE_RANK={node_rank})",
+                "Lightning's subprocess launcher started this process on node"
+                f" {node_rank}: manual multi-node Lightning launches are not supported.",
+                "launch several nodes with torchrun (--nnodes, c10d rendezvous) or srun.",
+            )
+        )
+    if ENV_FIRST_SEQ not in env:
+        raise LaunchError(
+            format_message(
+                f"neps_bcast rank {local_rank}/? follower",
+                f"{ENV_LEADER} is set but {ENV_FIRST_SEQ} is missing, so this process"
+                " cannot know which trial to start with.",
+                "do not set NEPS_BCAST_* variables by hand; let neps_bcast.run set them.",
+            )
+        )
+    world = _int_env("WORLD_SIZE", env) if "WORLD_SIZE" in env else None
+    return Launch(
+        kind="lightning_child",
+        launcher="lightning",
+        global_rank=local_rank,
+        world_size=world,
+        local_rank=local_rank,
+        node_rank=0,
+        main_address=env.get("MASTER_ADDR"),
+        main_port=_int_env("MASTER_PORT", env) if "MASTER_PORT" in env else None,
+        leader_store=env[ENV_LEADER],
+        first_seq=_int_env(ENV_FIRST_SEQ, env),
+    )
