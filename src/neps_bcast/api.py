@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -11,10 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neps_bcast import leader
+from neps_bcast import _neps_compat, leader, rendezvous
 from neps_bcast.errors import LaunchError, NepsBcastError, format_message
 from neps_bcast.follower import follow
 from neps_bcast.launch import Launch, detect
+from neps_bcast.rendezvous import fingerprint
+from neps_bcast.root_guard import RootGuard
 from neps_bcast.runtime import Runtime
 
 ENV_BACKEND = "NEPS_BCAST_BACKEND"
@@ -38,7 +41,7 @@ def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
             rt.log(logging.INFO, "Lightning child of the leader at %s", launch.leader_store)
             follow(rt, fn, rt.first_contact())
         else:
-            _start_external(rt)
+            _start_external(rt, fingerprint(evaluate_pipeline, pipeline_space, kwargs))
             try:
                 if rt.group_rank == 0:
                     _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
@@ -51,11 +54,23 @@ def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
 
 def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | str,
           pipeline_space: Any, kwargs: dict[str, Any]) -> None:
-    import neps
+    import neps  # noqa: PLC0415 - importing NePS is slow; only leaders need it
 
-    wrapped = leader.wrap(rt, fn)
+    guard = RootGuard(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT), rt.tag)
+
+    @functools.wraps(fn)
+    def first_trial_releases(*args: Any, **fn_kwargs: Any) -> Any:
+        guard.release()  # NePS gave us a trial: the state on disk is complete
+        return fn(*args, **fn_kwargs)
+
+    wrapped = leader.wrap(rt, first_trial_releases)
     try:
-        neps.run(wrapped, pipeline_space, **kwargs)
+        guard.acquire()
+        try:
+            space = guard.prepare(pipeline_space, bool(kwargs.get("overwrite_root_directory")))
+            neps.run(wrapped, space, **kwargs)
+        finally:
+            guard.release()
     except BaseException as exc:
         try:
             rt.shutdown(f"the leader's neps.run raised {type(exc).__name__}: {exc}")
@@ -106,31 +121,52 @@ def _backend(launch: Launch) -> str:
     return "gloo"
 
 
-def _start_external(rt: Runtime) -> None:
-    """All ranks started together: form the group, then meet on the control channel."""
+def _start_external(rt: Runtime, mine: dict[str, str]) -> None:
+    """All ranks started together: meet (bounded), form the group, join the channel.
+
+    The ranks first meet on the launcher's rendezvous store: a rank that never calls
+    ``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of hanging
+    in ``init_process_group``, and ranks given different arguments fail on every rank
+    before trial 1. The default group is then formed on that same store (Lightning,
+    Fabric and plain DDP code find it and reuse it), and the leader publishes the
+    address of its control store there for the followers.
+    """
     launch = rt.launch
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        rt.observe_group()
+        store: dist.Store | None = None
+    else:
         if launch.main_address is None or launch.main_port is None:
             raise LaunchError(
                 format_message(rt.tag, f"{launch.launcher} launch without a rendezvous address.",
                                "set MASTER_ADDR and MASTER_PORT for every rank.")
             )
-        # env:// (not tcp://) so that torchrun's agent store is used when it exists.
-        os.environ.setdefault("MASTER_ADDR", launch.main_address)
-        os.environ.setdefault("MASTER_PORT", str(launch.main_port))
-        dist.init_process_group(_backend(launch), init_method="env://",
+        assert launch.world_size is not None  # external launches always know it
+        store = rendezvous.rendezvous_store(launch)
+        meeting = rendezvous.meet(launch, store, mine)
+        backend = _backend(launch)
+        rt.log(logging.DEBUG, "forming the DDP group (%s)", backend)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{meeting.prefix}/pg", store),
                                 rank=launch.global_rank, world_size=launch.world_size)
         rt.owns_group = True
-    rt.observe_group()
-    address = None
-    if rt.group_rank == 0:
-        store = rt.serve()
-        address = f"{rt.leader_address()}:{store.port}"
-    gloo = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    box: list[Any] = [address]
-    dist.broadcast_object_list(box, src=0, group=gloo)
-    if gloo is not None:
-        dist.destroy_process_group(gloo)
-    if rt.group_rank != 0:
-        rt.connect(str(box[0]))
+        rt.observe_group()
+        store = dist.PrefixStore(meeting.prefix, store)
+    if store is not None:
+        if rt.group_rank == 0:
+            control = rt.serve()
+            store.set("leader", f"{rt.leader_address()}:{control.port}")
+        else:
+            rt.connect(store.get("leader").decode())
+    else:
+        # The user formed the group before neps_bcast.run: hand the address over on it.
+        address = None
+        if rt.group_rank == 0:
+            address = f"{rt.leader_address()}:{rt.serve().port}"
+        gloo = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        box: list[Any] = [address]
+        dist.broadcast_object_list(box, src=0, group=gloo)
+        if gloo is not None:
+            dist.destroy_process_group(gloo)
+        if rt.group_rank != 0:
+            rt.connect(str(box[0]))
     rt.ensure_channel()

@@ -1,0 +1,198 @@
+"""Externally launched ranks meet before anything else happens.
+
+torchrun, ``srun`` and plain ``RANK``/``WORLD_SIZE`` launches start every rank at once.
+Before the DDP group is formed (``init_process_group`` blocks until every rank comes,
+for 30 minutes by default) the ranks meet on the launcher's rendezvous store with a
+bound of their own:
+
+1. each rank checks in with a fingerprint of its ``neps_bcast.run`` arguments;
+2. a rank that does not come within ``NEPS_BCAST_JOIN_TIMEOUT_S`` is named, on every
+   rank that did come;
+3. every rank compares the fingerprints and, if they differ, raises the same error
+   listing each rank's value.
+
+The store is the one ``init_process_group`` then uses: torchrun's agent store when
+torchrun says to reuse it (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise a
+``TCPStore`` that rank 0 serves at ``MASTER_ADDR:MASTER_PORT`` (as torch's ``env://``
+does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from neps_bcast.channel import JOIN_TIMEOUT
+from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.launch import Launch
+
+FINGERPRINT_KWARGS = (
+    "root_directory",
+    "optimizer",
+    "total_evaluations_to_spend",
+    "total_cost_to_spend",
+    "overwrite_root_directory",
+)
+"""The ``neps.run`` arguments that must agree on every rank (plus the space and function)."""
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """What the ranks learned when they met."""
+
+    store: dist.Store
+    """The launcher's rendezvous store (client or, on rank 0 outside torchrun, server)."""
+    prefix: str
+    """Key prefix of this launch attempt on that store."""
+
+
+def _describe(value: Any) -> str:
+    """A text that is equal on two ranks exactly when they were given the same thing."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return repr(value)
+    get_attrs = getattr(value, "get_attrs", None)
+    if callable(get_attrs):  # a NePS PipelineSpace: its parameters, not its identity
+        parts = []
+        for name, param in sorted(get_attrs().items()):
+            fields = getattr(param, "__dict__", {})
+            inner = ", ".join(f"{k}={_describe(v)}" for k, v in sorted(fields.items()))
+            parts.append(f"{name}={type(param).__qualname__}({inner})")
+        return f"{type(value).__qualname__}({', '.join(parts)})"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}:{value.__qualname__}"
+    if isinstance(value, list | tuple):
+        return f"{type(value).__name__}({', '.join(_describe(v) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in sorted(value.items(),
+                                                                            key=str)) + "}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def fingerprint(evaluate_pipeline: Any, pipeline_space: Any,
+                kwargs: dict[str, Any]) -> dict[str, str]:
+    """What every rank of one group must agree on, as comparable text."""
+    found = {
+        "evaluate_pipeline": _describe(evaluate_pipeline),
+        "pipeline_space": _describe(pipeline_space),
+    }
+    for name in FINGERPRINT_KWARGS:
+        if name in kwargs:
+            found[name] = _describe(kwargs[name])
+    return found
+
+
+def rendezvous_store(launch: Launch, timeout: datetime.timedelta = JOIN_TIMEOUT) -> dist.Store:
+    """The store every rank of this launch can reach (see the module docstring)."""
+    assert launch.main_address is not None
+    assert launch.main_port is not None
+    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_server = launch.global_rank == 0 and not use_agent_store
+    try:
+        return dist.TCPStore(launch.main_address, launch.main_port, is_master=is_server,
+                             wait_for_workers=False, timeout=timeout)
+    except Exception as exc:
+        seconds = timeout.total_seconds()
+        if is_server:
+            what = (f"cannot serve the rendezvous store at {launch.main_address}:"
+                    f"{launch.main_port}: {type(exc).__name__}: {exc}.")
+            hint = ("pick a free MASTER_PORT (another job may be using this one) and an"
+                    " address of this node for MASTER_ADDR.")
+        else:
+            owner = "torchrun's agent" if use_agent_store else "rank 0"
+            what = (f"cannot reach the rendezvous store of {owner} at {launch.main_address}:"
+                    f"{launch.main_port} within {seconds:.0f} s; expected {owner} to serve it,"
+                    f" observed {type(exc).__name__}: {exc}.")
+            hint = ("check that rank 0 was started and calls neps_bcast.run, and that"
+                    " MASTER_ADDR/MASTER_PORT name rank 0's node and a port it can open"
+                    f" (bound: NEPS_BCAST_JOIN_TIMEOUT_S={seconds:.0f}).")
+        raise LaunchError(format_message(_tag(launch), what, hint)) from exc
+
+
+def meet(launch: Launch, store: dist.Store, mine: dict[str, str],
+         timeout: datetime.timedelta = JOIN_TIMEOUT) -> Meeting:
+    """Check in, wait (bounded) for every rank, and compare fingerprints."""
+    assert launch.world_size is not None
+    world = launch.world_size
+    attempt = "/".join((os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+                        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    prefix = f"neps_bcast/meet/{attempt}"
+    base = dist.PrefixStore(prefix, store)
+    base.set(f"in/{launch.global_rank}", json.dumps({"pid": os.getpid(), **mine}))
+    _wait_all(launch, base, "in", timeout, failure="did not call neps_bcast.run",
+              hint="call neps_bcast.run on every rank (the same script and arguments"
+              " everywhere), before any other torch.distributed call.")
+    raw = [json.loads(base.get(f"in/{r}")) for r in range(world)]
+    # Everyone has read every fingerprint before anyone may raise and leave: rank 0
+    # may be the store's server.
+    base.set(f"read/{launch.global_rank}", "1")
+    _wait_all(launch, base, "read", timeout,
+              failure="left during the startup check", hint="see the log of the ranks named.")
+    names = sorted({name for r in raw for name in r} - {"pid"})
+    differ = [name for name in names if len({r.get(name, "<missing>") for r in raw}) > 1]
+    if differ:
+        lines = "; ".join(
+            f"{name}: " + ", ".join(f"rank {r}: {raw[r].get(name, '<missing>')}"
+                                    for r in range(world))
+            for name in differ
+        )
+        raise LaunchError(
+            format_message(
+                _tag(launch),
+                f"the ranks called neps_bcast.run with different arguments; expected the"
+                f" same {', '.join(differ)} on all {world} ranks, observed {lines}.",
+                "every rank must run the same script with the same neps_bcast.run"
+                " arguments (a relative root_directory is fine: only the leader uses it);"
+                " check per-rank environment variables and command lines.",
+            )
+        )
+    return Meeting(store, prefix)
+
+
+def _wait_all(launch: Launch, base: dist.Store, what: str, timeout: datetime.timedelta, *,
+              failure: str, hint: str) -> None:
+    assert launch.world_size is not None
+    keys = [f"{what}/{r}" for r in range(launch.world_size)]
+    try:
+        base.wait(keys, timeout)  # blocks in the store server: no polling
+        return
+    except dist.DistStoreError as exc:
+        if "timeout" not in str(exc).lower():
+            raise _lost(launch, exc) from exc
+    except dist.DistNetworkError as exc:
+        raise _lost(launch, exc) from exc
+    missing = [r for r in range(launch.world_size) if not base.check([keys[r]])]
+    came = [r for r in range(launch.world_size) if r not in missing]
+    raise LaunchError(
+        format_message(
+            _tag(launch),
+            f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of"
+            f" {launch.world_size} {failure} within {timeout.total_seconds():.0f} s;"
+            f" expected ranks 0..{launch.world_size - 1}, observed only"
+            f" {', '.join(map(str, came))}.",
+            f"{hint} The bound is NEPS_BCAST_JOIN_TIMEOUT_S.",
+        )
+    )
+
+
+def _lost(launch: Launch, exc: BaseException) -> LaunchError:
+    return LaunchError(
+        format_message(
+            _tag(launch),
+            f"lost the rendezvous store during the startup check: {type(exc).__name__}:"
+            f" {exc}.",
+            "rank 0 (or torchrun's agent) exited; see its log for the first error.",
+        )
+    )
+
+
+def _tag(launch: Launch) -> str:
+    role = "leader" if launch.global_rank == 0 else "follower"
+    return f"neps_bcast rank {launch.global_rank}/{launch.world_size} {role}"

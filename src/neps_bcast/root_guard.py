@@ -1,0 +1,107 @@
+"""Several NePS workers (leaders) starting on one root directory at the same time.
+
+Plain NePS 0.17 fails here in three ways (measured):
+
+- two workers creating a fresh root at the same instant: one reads the other's
+  half-written state (``EOFError`` in ``NePSState.create_or_load``);
+- a root that exists but is empty (made by a job script, or by a worker that is still
+  creating it): "Failed to create or load the NePS state";
+- a second worker given the very same ``PipelineSpace``: "The pipeline space on disk
+  does not match the one provided". NePS converts a simple space into a classic one
+  with ``list(set(choices))``, so the order of categorical choices depends on each
+  process's string-hash seed (``PYTHONHASHSEED``): any two processes may disagree.
+
+The leader therefore starts ``neps.run`` holding an exclusive ``flock`` on a lock file
+next to the root (``.<root name>.neps_bcast.lock``), and keeps it until NePS hands it
+its first trial (by then the state on disk is complete) or ``neps.run`` returns. Under
+the lock it removes an empty root, and when the root already holds an equivalent
+classic space (same parameters, categorical choices in any order) it lets NePS load
+that space from disk (``pipeline_space=None``, NePS's documented way to continue a run)
+instead of comparing pickles. A space that really differs is passed on unchanged, and
+NePS's own error explains it. Only neps_bcast leaders take this lock: start every worker
+with ``neps_bcast.run``. ``flock`` needs a filesystem that supports it (local disks, most
+NFSv4 and Lustre mounts).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from neps_bcast import _log, _neps_compat
+from neps_bcast.errors import LaunchError, format_message
+
+ENV_LOCK_TIMEOUT = "NEPS_BCAST_ROOT_LOCK_TIMEOUT_S"
+"""Bound on waiting for another worker to finish creating the root (default 600 s)."""
+
+
+class RootGuard:
+    def __init__(self, root_directory: str | os.PathLike[str], tag: str) -> None:
+        self.root = Path(root_directory)
+        self.lock_path = self.root.parent / f".{self.root.name}.neps_bcast.lock"
+        self.tag = tag
+        self._file: IO[bytes] | None = None
+
+    def acquire(self) -> None:
+        timeout = float(os.environ.get(ENV_LOCK_TIMEOUT, "600"))
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = self.lock_path.open("ab")
+        deadline = time.monotonic() + timeout
+        waited = False
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    handle.close()
+                    raise LaunchError(
+                        format_message(
+                            self.tag,
+                            f"another NePS worker has held {self.lock_path} for more than"
+                            f" {timeout:.0f} s while starting on {self.root}; expected it to"
+                            " release the lock once NePS gave it its first trial.",
+                            f"see that worker's log (it may be stuck); raise {ENV_LOCK_TIMEOUT}"
+                            " if creating the root is legitimately slow.",
+                        )
+                    ) from None
+                if not waited:
+                    _log.log(logging.INFO, self.tag, "waiting for another worker to finish"
+                             " starting on %s", self.root)
+                    waited = True
+                time.sleep(0.05)  # startup only: bounded wait for another worker's lock
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            try:
+                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._file.close()
+                self._file = None
+
+    def prepare(self, pipeline_space: Any, overwrite: bool) -> Any:
+        """Under the lock: make the root loadable; the space to hand to ``neps.run``."""
+        if overwrite:
+            return pipeline_space
+        if self.root.is_dir() and not any(self.root.iterdir()):
+            _log.log(logging.INFO, self.tag, "removing the empty root %s so that NePS"
+                     " creates it afresh", self.root)
+            self.root.rmdir()
+            return pipeline_space
+        if pipeline_space is None:
+            return None
+        on_disk = _neps_compat.space_on_disk(self.root)
+        if on_disk is None:
+            return pipeline_space
+        mine = _neps_compat.classic_parameters(_neps_compat.classic_form(pipeline_space))
+        theirs = _neps_compat.classic_parameters(on_disk)
+        if mine is not None and mine == theirs:
+            _log.log(logging.INFO, self.tag, "continuing with the equivalent search space"
+                     " saved in %s", self.root)
+            return None
+        return pipeline_space
