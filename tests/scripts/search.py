@@ -14,6 +14,9 @@ configured by environment variables so that each test sets only what it varies:
   NB_IGNORE_ERRORS  "1" to pass ignore_errors=True
   NB_FAULT        fault injection, e.g. "raise:rank=1:seq=2:where=fit" (see fault())
   NB_EXTRA_ARGS   "1" to ask for pipeline_directory/previous_pipeline_directory/pipeline_id
+  NB_BAD          bad input on one rank: "skip_run:rank=<r>" (that rank never calls
+                  neps_bcast.run), "root:rank=<r>", "space:rank=<r>" or
+                  "root+space:rank=<r>" (it passes a different root_directory / space)
 
 What it records is read back by tests/harness.py.
 """
@@ -155,6 +158,25 @@ def train(kwargs: dict[str, Any]) -> float:
     return float(trainer.callback_metrics["val_loss"].item())
 
 
+def fabric_ddp(kwargs: dict[str, Any]) -> float:
+    """Lightning Fabric: strategy="ddp" + fabric.launch() inside the function."""
+    fabric = L.Fabric(accelerator="cpu", devices=DEVICES, strategy="ddp")
+    fabric.launch()
+    model = nn.Sequential(nn.Linear(4, kwargs["hidden"]), nn.ReLU(), nn.Linear(kwargs["hidden"], 1))
+    opt = torch.optim.SGD(model.parameters(), lr=kwargs["lr"])
+    model, opt = fabric.setup(model, opt)
+    train_dl, _ = loaders()
+    train_dl = fabric.setup_dataloaders(train_dl)
+    loss = torch.zeros(())
+    for x, y in train_dl:
+        fault("fit")
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+    return float(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+
+
 def plain_ddp(kwargs: dict[str, Any]) -> float:
     """A plain torch DDP loop (no Lightning) on the group neps_bcast formed."""
     model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
@@ -186,6 +208,8 @@ def evaluate(**kwargs: Any) -> float:
             loss = float(kwargs["lr"])
         elif STRATEGY == "plain_ddp":
             loss = plain_ddp(kwargs)
+        elif STRATEGY == "fabric":
+            loss = fabric_ddp(kwargs)
         else:
             loss = train(kwargs)
         record("trained", rank=trial.rank, world_size_after=dist.get_world_size()
@@ -223,9 +247,19 @@ def main() -> None:
     space = WithFidelity() if ENV.get("NB_SPACE") == "fidelity" else Basic()
     fn = with_dirs if ENV.get("NB_EXTRA_ARGS") == "1" or ENV.get("NB_SPACE") == "fidelity" else evaluate
     record("start", argv=sys.argv, cwd=os.getcwd())
+    root = ENV.get("NB_ROOT", "results")
+    bad, _, bad_rank = ENV.get("NB_BAD", "").partition(":rank=")
+    if bad and int(bad_rank) == my_rank():
+        if bad == "skip_run":
+            record("exit", ok=True, skipped=True, calls=CALLS)
+            return
+        if "root" in bad.split("+"):
+            root += "_elsewhere"
+        if "space" in bad.split("+"):
+            space = WithFidelity()
     try:
         neps_bcast.run(
-            fn, pipeline_space=space, root_directory=ENV.get("NB_ROOT", "results"),
+            fn, pipeline_space=space, root_directory=root,
             total_evaluations_to_spend=int(ENV.get("NB_TRIALS", "5")),
             optimizer=ENV.get("NB_OPTIMIZER", "random_search"),
             ignore_errors=ENV.get("NB_IGNORE_ERRORS") == "1",
