@@ -17,6 +17,8 @@ configured by environment variables so that each test sets only what it varies:
   NB_BAD          bad input on one rank: "skip_run:rank=<r>" (that rank never calls
                   neps_bcast.run), "root:rank=<r>", "space:rank=<r>" or
                   "root+space:rank=<r>" (it passes a different root_directory / space)
+  NB_MEET         "<dir>:<me>:<other>": in its first trial every rank touches <dir>/<me> and
+                  waits (60 s at most) for <dir>/<other>, so two launches overlap for sure
 
 What it records is read back by tests/harness.py.
 """
@@ -204,6 +206,12 @@ def evaluate(**kwargs: Any) -> float:
                ckpt_exists=bool(trial.previous_pipeline_directory
                                 and (Path(trial.previous_pipeline_directory) / "last.ckpt").exists()))
         fault("session")
+        if ENV.get("NB_MEET") and SEQ["n"] == 1:
+            meet_dir, me, other = ENV["NB_MEET"].split(":")
+            (Path(meet_dir) / me).touch()
+            deadline = time.monotonic() + 60
+            while not (Path(meet_dir) / other).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)  # test orchestration only: make two launches overlap
         if STRATEGY == "none":
             loss = float(kwargs["lr"])
         elif STRATEGY == "plain_ddp":
