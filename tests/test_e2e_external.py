@@ -86,7 +86,8 @@ def assert_group_followed_its_leader(events: list[dict[str, Any]], world: int, l
     for rank in range(1, world):
         assert json.dumps(by_rank[rank], sort_keys=True) == json.dumps(leader, sort_keys=True)
     exits = [e for e in events if e["event"] == "exit"]
-    assert len(exits) == world and all(e["ok"] for e in exits), exits
+    assert len(exits) == world, exits
+    assert all(e["ok"] for e in exits), exits
     for e in exits:
         if e["proc_rank"] != 0:  # followers never touch NePS
             assert e["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}
