@@ -1,0 +1,131 @@
+"""The end-to-end workload: a NePS search whose trials are Lightning ``strategy="ddp"`` jobs.
+
+    python benchmarks/lightning_search.py --system ours|builtin --root R --timings T --trials 20
+
+Run as a plain script; Lightning re-runs it for rank 1 (``devices=2``, CPU, gloo).
+``ours``: every rank calls ``neps_bcast.run`` and trains inside ``neps_bcast.session()``.
+``builtin``: every rank calls ``neps.run`` (NePS 0.17's own DDP mode). Same tiny model,
+data and optimizer (random search: the optimizer's own cost stays out of the picture).
+Each rank appends ``{"rank", "lr", "t_enter"}`` to ``<timings>/rank<r>.jsonl`` when it
+enters the trial; the leader adds NePS's ``t_started`` for the trial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import neps
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+RANK = int(os.environ.get("LOCAL_RANK", "0"))
+TIMINGS = Path(os.environ.get("BENCH_TIMINGS", "."))
+SYSTEM = os.environ.get("BENCH_SYSTEM", "ours")
+DEVICES = int(os.environ.get("BENCH_DEVICES", "2"))
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, lr: float, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.lr = lr
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, (x[:, :1] * 2.0 + 0.1 * torch.randn(n, 1, generator=g)).float())
+
+
+class Space(neps.PipelineSpace):
+    lr = neps.Float(1e-3, 1e-1, log=True)
+    hidden = neps.Integer(4, 32)
+
+
+def evaluate_pipeline(lr: float, hidden: int) -> float:
+    record: dict[str, object] = {
+        "rank": RANK,
+        "lr": lr,
+        "t_enter": time.clock_gettime(time.CLOCK_REALTIME),
+    }
+    if RANK == 0:
+        from neps.runtime import get_in_progress_trial  # noqa: PLC0415
+
+        trial = get_in_progress_trial()
+        record.update(trial=trial.id, t_started=trial.metadata.time_started)
+    with (TIMINGS / f"rank{RANK}.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=DEVICES,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    import neps_bcast  # noqa: PLC0415
+
+    ctx = neps_bcast.session() if SYSTEM == "ours" else contextlib.nullcontext()
+    with ctx:
+        trainer.fit(
+            Tiny(lr, hidden),
+            DataLoader(data(256, 0), batch_size=64),
+            DataLoader(data(128, 1), batch_size=64),
+        )
+    return float(trainer.callback_metrics["val_loss"].item())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=("ours", "builtin"), required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--timings", required=True)
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--devices", type=int, default=2)
+    args = p.parse_args()
+    # Lightning's child re-runs this script with a copy of this environment.
+    os.environ.update(
+        BENCH_TIMINGS=args.timings, BENCH_SYSTEM=args.system, BENCH_DEVICES=str(args.devices)
+    )
+    global TIMINGS, SYSTEM, DEVICES
+    TIMINGS, SYSTEM, DEVICES = Path(args.timings), args.system, args.devices
+    TIMINGS.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("lightning").setLevel(logging.WARNING)
+    kwargs = dict(
+        pipeline_space=Space(),
+        root_directory=args.root,
+        total_evaluations_to_spend=args.trials,
+        optimizer="random_search",
+    )
+    if args.system == "ours":
+        import neps_bcast  # noqa: PLC0415
+
+        neps_bcast.run(evaluate_pipeline, **kwargs)
+    else:
+        neps.run(evaluate_pipeline, **kwargs)
+
+
+if __name__ == "__main__":
+    main()

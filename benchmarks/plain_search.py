@@ -1,0 +1,121 @@
+"""One rank of the plain-DDP workload (no Lightning): a NePS search with a trivial trial.
+
+Started by ``plain_launch.py`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as
+torchrun would. ``--system ours``: every rank calls ``neps_bcast.run``. ``--system builtin``:
+every rank calls plain ``neps.run`` (NePS 0.17's own DDP mode: rank > 0 polls the NePS
+state on disk; it needs NEPS_DDP_TRIAL_ID for its first trial, which the launcher sets).
+
+Each rank appends one JSON line per trial to ``<timings>/rank<r>.jsonl`` when it enters
+the trial function (CLOCK_REALTIME: all ranks share one clock). The leader also records
+when NePS marked the trial as started (``t_started``: the leader holds the trial), and
+waits until every follower entered the trial (what a DDP collective would do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import neps
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+ARGS: argparse.Namespace
+COUNT = 0
+
+
+def now() -> float:
+    return time.clock_gettime(time.CLOCK_REALTIME)
+
+
+def log(record: dict[str, object]) -> None:
+    path = Path(ARGS.timings) / f"rank{RANK}.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def wait_for_followers(x: float) -> None:
+    deadline = time.monotonic() + ARGS.barrier_timeout
+    todo = set(range(1, WORLD))
+    while todo:
+        for r in sorted(todo):
+            path = Path(ARGS.timings) / f"rank{r}.jsonl"
+            if path.exists() and f'"x": {x!r}' in path.read_text():
+                todo.discard(r)
+        if not todo:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"followers {sorted(todo)} never started trial x={x}")
+        time.sleep(0.002)
+
+
+def evaluate_pipeline(x: float, payload: str = "") -> float:
+    global COUNT  # noqa: PLW0603
+    t_enter = now()
+    record: dict[str, object] = {"rank": RANK, "x": x, "t_enter": t_enter, "payload": len(payload)}
+    if RANK == 0:
+        from neps.runtime import get_in_progress_trial  # noqa: PLC0415
+
+        trial = get_in_progress_trial()
+        record.update(trial=trial.id, t_started=trial.metadata.time_started)
+    log(record)
+    ctx = __import__("neps_bcast").session() if ARGS.system == "ours" else contextlib.nullcontext()
+    with ctx:
+        if RANK == 0:
+            COUNT += 1
+            wait_for_followers(x)
+            if ARGS.hold > 0 and COUNT in ARGS.hold_trials:
+                h0 = now()
+                time.sleep(ARGS.hold)
+                log({"rank": 0, "hold": [h0, now()], "x": x})
+            log({"rank": 0, "x": x, "t_exit": now()})
+    return (x - 0.3) ** 2
+
+
+def space(payloads: list[int]) -> neps.PipelineSpace:
+    attrs: dict[str, object] = {"x": neps.Float(0.0, 1.0)}
+    if payloads:
+        # The trial's arguments carry a string of this many bytes: the handoff moves it.
+        # (A Categorical needs two choices: one size gets two strings of that size.)
+        attrs["payload"] = neps.Categorical(
+            tuple("p" * n for n in payloads) + (("q" * payloads[0],) if len(payloads) == 1 else ())
+        )
+    return type("Space", (neps.PipelineSpace,), attrs)()
+
+
+def main() -> None:
+    global ARGS  # noqa: PLW0603
+    p = argparse.ArgumentParser()
+    p.add_argument("--system", choices=("ours", "builtin"), required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--timings", required=True)
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--optimizer", default="random_search")
+    p.add_argument("--payloads", default="")
+    p.add_argument("--hold", type=float, default=0.0)
+    p.add_argument(
+        "--hold-trials", type=lambda s: {int(v) for v in s.split(",") if v}, default=set()
+    )
+    p.add_argument("--barrier-timeout", type=float, default=180.0)
+    ARGS = p.parse_args()
+    payloads = [int(v) for v in ARGS.payloads.split(",") if v]
+    kwargs = dict(
+        pipeline_space=space(payloads),
+        root_directory=ARGS.root,
+        total_evaluations_to_spend=ARGS.trials,
+        optimizer=ARGS.optimizer,
+    )
+    if ARGS.system == "ours":
+        import neps_bcast  # noqa: PLC0415
+
+        neps_bcast.run(evaluate_pipeline, **kwargs)
+    else:
+        neps.run(evaluate_pipeline, **kwargs)
+
+
+if __name__ == "__main__":
+    main()
