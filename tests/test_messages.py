@@ -1,0 +1,261 @@
+"""Unit tests: the messages ranks exchange, their encoding, and errors as data."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from neps_bcast import runtime
+from neps_bcast.errors import MessageError, NepsBcastError
+from neps_bcast.messages import (
+    ErrorRecord,
+    Phase,
+    Report,
+    StopMessage,
+    TrialMessage,
+    decode,
+    encode,
+)
+
+TAG = "neps_bcast rank 0/2 leader"
+
+
+def _trial(**kwargs: object) -> TrialMessage:
+    return TrialMessage(seq=3, trial_id="17_rung_1", kwargs=dict(kwargs),
+                        pipeline_directory=Path("/tmp/root/configs/config_17_rung_1"),
+                        previous_pipeline_directory=Path("/tmp/root/configs/config_17_rung_0"))
+
+
+def _roundtrip(message: object) -> object:
+    payload = encode(message, tag=TAG)  # type: ignore[arg-type]
+    assert isinstance(payload, bytes)
+    return decode(payload, tag=TAG)
+
+
+# -- round trips ----------------------------------------------------------------------
+
+
+def test_trial_message_round_trip_keeps_paths_and_nested_values() -> None:
+    message = _trial(lr=0.01, hidden=8, activation="relu",
+                     nested={"a": [1, 2, {"b": (3.5, None)}], "path": Path("x/y")},
+                     pipeline_directory=Path("/tmp/root/configs/config_17_rung_1"),
+                     previous_pipeline_directory=None, pipeline_id="17_rung_1")
+    back = _roundtrip(message)
+    assert back == message
+    assert isinstance(back, TrialMessage)
+    assert isinstance(back.pipeline_directory, Path)
+    assert isinstance(back.kwargs["nested"]["path"], Path)
+    assert back.kwargs["nested"]["a"][2]["b"] == (3.5, None)
+
+
+def test_trial_message_round_trip_with_a_1mb_argument() -> None:
+    blob = random.Random(0).randbytes(1 << 20)
+    message = _trial(blob=blob, lr=0.1)
+    payload = encode(message, tag=TAG)
+    assert len(payload) > 1 << 20
+    back = decode(payload, tag=TAG)
+    assert isinstance(back, TrialMessage)
+    assert back.kwargs["blob"] == blob
+
+
+def test_trial_message_without_directories_round_trips() -> None:
+    message = TrialMessage(seq=1, trial_id="1", kwargs={}, pipeline_directory=None,
+                           previous_pipeline_directory=None)
+    assert _roundtrip(message) == message
+
+
+def test_stop_message_round_trip() -> None:
+    message = StopMessage("the search is over")
+    back = _roundtrip(message)
+    assert back == message
+    assert isinstance(back, StopMessage)
+
+
+def _record_of(exc_type: type[BaseException], text: str, group_rank: int = 1) -> ErrorRecord:
+    try:
+        raise exc_type(text)
+    except exc_type as exc:
+        return ErrorRecord.from_exception(group_rank, exc, pid=4242)
+
+
+def test_report_with_error_record_round_trips_with_its_phase() -> None:
+    record = _record_of(ValueError, "boom")
+    report = Report(group_rank=1, phase=Phase.SESSION_EXIT, seq=2, trial_id="5",
+                    error=record, extra={"nested": {"k": [1, 2]}})
+    back = _roundtrip(report)
+    assert back == report
+    assert isinstance(back, Report)
+    assert back.phase is Phase.SESSION_EXIT
+    assert back.error == record
+    assert back.error is not None
+    assert back.error.traceback == record.traceback
+
+
+def test_report_without_error_round_trips() -> None:
+    report = Report(group_rank=0, phase=Phase.TRIAL_END, seq=1, trial_id="1")
+    assert _roundtrip(report) == report
+
+
+# -- what cannot be sent --------------------------------------------------------------
+
+
+def _generator():  # type: ignore[no-untyped-def]
+    yield 1
+
+
+@pytest.mark.parametrize(
+    ("value", "type_name"),
+    [
+        (lambda x: x, "function"),
+        (threading.Lock(), "lock"),
+        (_generator(), "generator"),
+    ],
+    ids=["lambda", "lock", "generator"],
+)
+def test_encode_names_the_unpicklable_argument(value: object, type_name: str) -> None:
+    message = _trial(lr=0.1, hidden=4, culprit=value, pipeline_id="17_rung_1")
+    with pytest.raises(MessageError) as info:
+        encode(message, tag=TAG)
+    text = str(info.value)
+    assert isinstance(info.value, NepsBcastError)
+    assert text.startswith(f"[{TAG}] ")
+    assert "argument 'culprit'" in text
+    assert f"({type_name})" in text
+    assert "HINT:" in text
+    # Only the culprit is named, not the arguments that are fine.
+    assert "'lr'" not in text
+    assert "'hidden'" not in text
+
+
+def test_encode_error_keeps_the_pickling_error_as_cause() -> None:
+    with pytest.raises(MessageError) as info:
+        encode(_trial(fn=lambda: None), tag=TAG)
+    assert info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"garbage, not a pickle", b"\x80\x05\x95\xff\xff\xff"],
+    ids=["empty", "garbage", "truncated-header"],
+)
+def test_decode_of_garbage_raises_message_error(payload: bytes) -> None:
+    with pytest.raises(MessageError) as info:
+        decode(payload, tag=TAG)
+    text = str(info.value)
+    assert text.startswith(f"[{TAG}] cannot read a message")
+    assert "HINT:" in text
+
+
+def test_decode_of_a_truncated_message_raises_message_error() -> None:
+    # NePS's own DDP mode loses whole searches to truncated pickles: ours must raise
+    # our error instead of an UnpicklingError from deep inside.
+    payload = encode(_trial(blob=b"x" * 10_000), tag=TAG)
+    with pytest.raises(MessageError, match="cannot read a message"):
+        decode(payload[: len(payload) // 2], tag=TAG)
+
+
+def test_decode_of_a_pickle_that_is_no_message_raises_message_error() -> None:
+    with pytest.raises(MessageError, match="unexpected message"):
+        decode(pickle.dumps({"seq": 1, "trial_id": "1"}), tag=TAG)
+
+
+# -- errors as data ---------------------------------------------------------------------
+
+
+def _fail_deep_inside() -> None:
+    raise KeyError("missing-key")
+
+
+def test_error_record_from_exception_captures_type_message_and_traceback() -> None:
+    before = time.time()
+    try:
+        _fail_deep_inside()
+    except KeyError as exc:
+        record = ErrorRecord.from_exception(2, exc, pid=1234)
+    after = time.time()
+    assert record.group_rank == 2
+    assert record.type_name == "KeyError"
+    assert record.message == "'missing-key'"
+    assert record.pid == 1234
+    assert record.secondary is False
+    assert before <= record.timestamp <= after
+    assert record.traceback.startswith("Traceback (most recent call last)")
+    assert "_fail_deep_inside" in record.traceback
+    assert "KeyError: 'missing-key'" in record.traceback
+    assert record.headline() == "rank 2: KeyError: 'missing-key'"
+
+
+def test_error_record_keeps_the_secondary_flag() -> None:
+    try:
+        raise RuntimeError("peer gone")
+    except RuntimeError as exc:
+        record = ErrorRecord.from_exception(0, exc, pid=1, secondary=True)
+    assert record.secondary is True
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+        " [127.0.0.1]:33071",
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection reset by peer",
+    ],
+)
+def test_is_secondary_recognizes_a_peer_closing_the_group(text: str) -> None:
+    assert runtime.is_secondary(RuntimeError(text))
+
+
+def test_is_secondary_rejects_a_failure_of_its_own() -> None:
+    assert not runtime.is_secondary(ValueError("injected failure on rank 1 at fit"))
+    assert not runtime.is_secondary(RuntimeError("CUDA out of memory"))
+
+
+def _record(group_rank: int, timestamp: float, *, secondary: bool, message: str) -> ErrorRecord:
+    return ErrorRecord(group_rank=group_rank, type_name="RuntimeError" if secondary else
+                       "ValueError", message=message,
+                       traceback=f"Traceback of rank {group_rank}\n", timestamp=timestamp,
+                       pid=100 + group_rank, secondary=secondary)
+
+
+def test_sort_records_puts_root_causes_first_earliest_first() -> None:
+    peer = _record(0, 1.0, secondary=True, message="Connection closed by peer")
+    late = _record(2, 5.0, secondary=False, message="late failure")
+    early = _record(1, 3.0, secondary=False, message="early failure")
+    assert runtime.sort_records([peer, late, early]) == [early, late, peer]
+
+
+def test_failure_text_names_the_failing_ranks_and_then_the_consequences() -> None:
+    peer = _record(0, 1.0, secondary=True, message="Connection closed by peer")
+    early = _record(1, 3.0, secondary=False, message="early failure")
+    late = _record(2, 5.0, secondary=False, message="late failure")
+    text = runtime.failure_text(runtime.sort_records([peer, late, early]), "9")
+    head = text.splitlines()[0]
+    assert head.startswith("trial 9 failed on ranks 1, 2: rank 1: ValueError: early failure;"
+                           " rank 2: ValueError: late failure.")
+    assert "Caused by it: rank 0: RuntimeError: Connection closed by peer" in head
+    assert head.index("rank 1:") < head.index("rank 2:") < head.index("Caused by it")
+    # Tracebacks of the root causes only.
+    assert "--- traceback of rank 1 (pid 101) ---\nTraceback of rank 1" in text
+    assert "--- traceback of rank 2 (pid 102) ---" in text
+    assert "traceback of rank 0" not in text
+
+
+def test_failure_text_for_one_rank_says_rank() -> None:
+    only = _record(1, 3.0, secondary=False, message="boom")
+    text = runtime.failure_text([only], "4")
+    assert text.startswith("trial 4 failed on rank 1: rank 1: ValueError: boom.")
+    assert "Caused by it" not in text
+
+
+def test_failure_text_with_only_secondary_errors_still_names_them() -> None:
+    a = _record(0, 1.0, secondary=True, message="Connection closed by peer")
+    b = _record(1, 2.0, secondary=True, message="Connection reset by peer")
+    text = runtime.failure_text([a, b], "4")
+    assert text.startswith("trial 4 failed on ranks 0, 1: rank 0: RuntimeError:")
+    assert "traceback of rank 0" in text
+    assert "traceback of rank 1" in text

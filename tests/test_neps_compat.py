@@ -1,0 +1,137 @@
+"""Fails loudly when NePS changes what ``neps_bcast._neps_compat`` relies on.
+
+Each test names the NePS behaviour it pins; when one fails after a NePS upgrade, fix
+``src/neps_bcast/_neps_compat.py`` (the only module that may touch NePS internals).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import neps
+import neps.runtime
+import pytest
+from neps.space.neps_spaces.neps_space import adjust_evaluation_pipeline_for_neps_space
+from neps.state.neps_state import NePSState
+
+from neps_bcast import _neps_compat
+from neps_bcast._neps_compat import INJECTED_ARGUMENTS, NEPS_DDP_ENV_VARS, current_trial
+
+
+class Space(neps.PipelineSpace):
+    lr = neps.Float(1e-3, 1e-1, log=True)
+    hidden = neps.Integer(2, 16)
+
+
+class FidelitySpace(neps.PipelineSpace):
+    lr = neps.Float(1e-3, 1e-1, log=True)
+    epochs = neps.IntegerFidelity(1, 3)
+
+
+def recorded(root: Path) -> dict[str, Any]:
+    return NePSState.create_or_load(path=root, load_only=True).lock_and_read_trials()
+
+
+def test_get_in_progress_trial_exists_and_refuses_outside_an_evaluation() -> None:
+    assert callable(getattr(neps.runtime, "get_in_progress_trial", None)), (
+        "neps.runtime.get_in_progress_trial is gone: _neps_compat.current_trial needs a"
+        " new way to learn the trial NePS is evaluating")
+    with pytest.raises(RuntimeError):
+        current_trial()
+
+
+def test_neps_ddp_variable_name_is_still_the_one_we_know() -> None:
+    assert (neps.runtime._DDP_ENV_VAR_NAME,) == NEPS_DDP_ENV_VARS
+
+
+def test_neps_injects_exactly_the_arguments_the_signature_names(tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+    during: list[_neps_compat.NepsTrialInfo] = []
+
+    def wants_all(lr: float, hidden: int, pipeline_directory: Path,
+                  previous_pipeline_directory: Path | None, pipeline_id: str) -> float:
+        seen.append(dict(lr=lr, hidden=hidden, pipeline_directory=pipeline_directory,
+                         previous_pipeline_directory=previous_pipeline_directory,
+                         pipeline_id=pipeline_id))
+        during.append(current_trial())
+        return lr
+
+    root = tmp_path / "all"
+    neps.run(wants_all, Space(), root_directory=root, total_evaluations_to_spend=2,
+             optimizer="random_search")
+    trials = recorded(root)
+    assert len(seen) == 2
+    assert sorted(trials) == sorted(kw["pipeline_id"] for kw in seen)
+    for kwargs, info in zip(seen, during, strict=True):
+        trial = trials[kwargs["pipeline_id"]]
+        assert set(kwargs) - {"lr", "hidden"} == set(INJECTED_ARGUMENTS)
+        assert Path(kwargs["pipeline_directory"]) == Path(trial.metadata.location)
+        assert kwargs["previous_pipeline_directory"] is None
+        # What current_trial() reports inside the evaluation is what NePS records.
+        assert info.trial_id == trial.id == kwargs["pipeline_id"]
+        assert info.pipeline_directory == Path(trial.metadata.location)
+        assert info.previous_pipeline_directory is None
+        assert trial.config == {"lr": kwargs["lr"], "hidden": kwargs["hidden"]}
+
+
+def test_neps_injects_nothing_the_signature_does_not_name(tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def wants_one(lr: float, hidden: int, pipeline_id: str) -> float:
+        seen.append(dict(lr=lr, hidden=hidden, pipeline_id=pipeline_id))
+        return lr
+
+    def wants_none(**config: Any) -> float:
+        seen.append(dict(config))
+        return float(config["lr"])
+
+    neps.run(wants_one, Space(), root_directory=tmp_path / "one",
+             total_evaluations_to_spend=1, optimizer="random_search")
+    neps.run(wants_none, Space(), root_directory=tmp_path / "none",
+             total_evaluations_to_spend=1, optimizer="random_search")
+    assert [set(kw) for kw in seen] == [{"lr", "hidden", "pipeline_id"}, {"lr", "hidden"}]
+    for root in (tmp_path / "one", tmp_path / "none"):
+        assert all(t.report is not None and t.report.reported_as == "success"
+                   for t in recorded(root).values())
+
+
+def test_previous_pipeline_directory_is_the_previous_rung_location(tmp_path: Path) -> None:
+    seen: list[tuple[dict[str, Any], _neps_compat.NepsTrialInfo]] = []
+
+    def evaluate(lr: float, epochs: int, pipeline_directory: Path,
+                 previous_pipeline_directory: Path | None, pipeline_id: str) -> float:
+        seen.append((dict(epochs=epochs, pipeline_directory=pipeline_directory,
+                          previous_pipeline_directory=previous_pipeline_directory,
+                          pipeline_id=pipeline_id), current_trial()))
+        return lr
+
+    root = tmp_path / "sh"
+    # eta=3 on [1, 3]: three trials at rung 0, then the best one continues at rung 1.
+    neps.run(evaluate, FidelitySpace(), root_directory=root, total_evaluations_to_spend=4,
+             optimizer="successive_halving")
+    trials = recorded(root)
+    continued = [(kw, info) for kw, info in seen if kw["previous_pipeline_directory"]]
+    assert continued, f"no trial continued from an earlier rung: {seen}"
+    for kwargs, info in continued:
+        trial = trials[kwargs["pipeline_id"]]
+        assert trial.metadata.previous_trial_location is not None
+        previous = Path(trial.metadata.previous_trial_location)
+        assert Path(kwargs["previous_pipeline_directory"]) == previous
+        assert info.previous_pipeline_directory == previous
+        assert info.pipeline_directory == Path(trial.metadata.location)
+        assert info.trial_id == kwargs["pipeline_id"]
+
+
+def test_pipeline_space_wrapper_keeps_the_signature_visible() -> None:
+    def evaluate(lr: float, hidden: int, pipeline_directory: Path) -> float:
+        return lr
+
+    wrapped = adjust_evaluation_pipeline_for_neps_space(evaluate, Space())
+    assert wrapped is not evaluate
+    # NePS reads the signature of this wrapper to decide what to inject: functools.wraps
+    # must make it the user's, so neps_bcast's wrapper (also functools.wraps) is seen.
+    assert getattr(wrapped, "__wrapped__", None) is evaluate
+    assert inspect.signature(wrapped) == inspect.signature(evaluate)
+    assert "pipeline_directory" in inspect.signature(wrapped).parameters
