@@ -86,3 +86,14 @@ def classic_parameters(space: object) -> dict[str, tuple[str, tuple[tuple[str, s
         found[name] = (type(param).__qualname__,
                        tuple(sorted((k, repr(v)) for k, v in fields.items())))
     return found
+
+
+def record_crashed(trial_id: str, root_directory: Path, error: BaseException) -> None:
+    """Record a trial as crashed with ``error`` (used when the evaluation cannot return).
+
+    NePS's public path for results that arrive outside the evaluate function.
+    """
+    from neps.api import save_pipeline_results
+
+    exc = error if isinstance(error, Exception) else RuntimeError(str(error))
+    save_pipeline_results({"exception": exc}, trial_id, Path(root_directory))

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
+import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,14 +43,16 @@ def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
             _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
         elif launch.kind == "lightning_child":
             rt.log(logging.INFO, "Lightning child of the leader at %s", launch.leader_store)
-            follow(rt, fn, rt.first_contact())
+            with _sigterm_raises():
+                follow(rt, fn, rt.first_contact())
         else:
             _start_external(rt, fingerprint(evaluate_pipeline, pipeline_space, kwargs))
             try:
                 if rt.group_rank == 0:
                     _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
                 else:
-                    follow(rt, fn, None)
+                    with _sigterm_raises():
+                        follow(rt, fn, None)
             finally:
                 if rt.owns_group and dist.is_initialized():
                     dist.destroy_process_group()
@@ -54,23 +60,30 @@ def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
 
 def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | str,
           pipeline_space: Any, kwargs: dict[str, Any]) -> None:
-    import neps  # noqa: PLC0415 - importing NePS is slow; only leaders need it
+    import neps
 
-    guard = RootGuard(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT), rt.tag)
+    root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT))
+    guard = RootGuard(root, rt.tag)
 
     @functools.wraps(fn)
     def first_trial_releases(*args: Any, **fn_kwargs: Any) -> Any:
         guard.release()  # NePS gave us a trial: the state on disk is complete
         return fn(*args, **fn_kwargs)
 
-    wrapped = leader.wrap(rt, first_trial_releases)
+    wrapped = leader.wrap(rt, first_trial_releases, root)
     try:
-        guard.acquire()
-        try:
-            space = guard.prepare(pipeline_space, bool(kwargs.get("overwrite_root_directory")))
-            neps.run(wrapped, space, **kwargs)
-        finally:
-            guard.release()
+        with _sigterm_raises():
+            guard.acquire()
+            try:
+                space = guard.prepare(pipeline_space,
+                                      bool(kwargs.get("overwrite_root_directory")))
+                neps.run(wrapped, space, **kwargs)
+            finally:
+                guard.release()
+    except leader.SearchAborted as aborted:
+        with contextlib.suppress(Exception):
+            rt.close()
+        raise aborted.error from None
     except BaseException as exc:
         try:
             rt.shutdown(f"the leader's neps.run raised {type(exc).__name__}: {exc}")
@@ -79,6 +92,28 @@ def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | st
         raise
     rt.shutdown("the search is over (the leader's neps.run returned)")
     rt.log(logging.INFO, "done")
+
+
+class Terminated(SystemExit):
+    """SIGTERM (e.g. SLURM preemption) turned into an exception, so the trial is recorded."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+    ):
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _resolve(evaluate_pipeline: Callable[..., Any] | str, launch: Launch) -> Callable[..., Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Protocol
 
 import torch
@@ -84,7 +85,7 @@ class GlooChannel:
         """Meet the other ranks on the channel of this generation (blocks until all came)."""
         prefix = f"neps_bcast/ctl/{generation}"
         base = dist.PrefixStore(prefix, store)
-        base.set(f"joined/{group_rank}", str(os.getpid()))
+        base.set(f"joined/{group_rank}", f"{socket.gethostname()}:{os.getpid()}")
         keys = [f"joined/{r}" for r in range(world_size)]
         try:
             # Blocks in the store server: no polling. A dead leader closes the socket.

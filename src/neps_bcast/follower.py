@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
+from neps_bcast.errors import NepsBcastError
 from neps_bcast.messages import StopMessage, TrialMessage
 from neps_bcast.runtime import Runtime
 
@@ -26,9 +28,19 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
                 fn(**message.kwargs)
             except Exception as exc:  # noqa: BLE001 - reported to the leader instead
                 error = exc
-                rt.log(logging.ERROR, "trial %s raised %s: %s", message.trial_id,
-                       type(exc).__name__, exc)
-            rt.end_trial(ctx, error)
+            except BaseException as exc:
+                if ctx.mine is None:
+                    rt.fail(ctx, exc)
+                with contextlib.suppress(NepsBcastError):
+                    rt.end_trial(ctx, exc)
+                raise
+            failures = rt.end_trial(ctx, error)
+        if failures:
+            rt.log(logging.INFO, "trial %s failed: %s", message.trial_id,
+                   "; ".join(f.headline() for f in failures))
         message = rt.receive()
     rt.log(logging.INFO, "stopping: %s", message.reason)
+    if rt.channel is not None:
+        with contextlib.suppress(Exception):
+            rt.channel.allgather(b"bye")  # the leader exits only after every goodbye
     rt.close()

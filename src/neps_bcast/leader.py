@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from neps_bcast import _neps_compat
-from neps_bcast.errors import TrialFailedError, format_message
+from neps_bcast.errors import (
+    FollowerLostError,
+    NepsBcastError,
+    TrialFailedError,
+    format_message,
+)
 from neps_bcast.messages import TrialMessage
 from neps_bcast.runtime import Runtime, failure_text
 
 
-def wrap(rt: Runtime, fn: Callable[..., Any]) -> Callable[..., Any]:
+class SearchAborted(BaseException):
+    """Stops ``neps.run`` after the current trial was recorded (the group is gone).
+
+    A ``BaseException`` because NePS records and swallows every ``Exception`` of the
+    evaluation and goes on sampling; with a follower lost, every later trial would fail.
+    """
+
+    def __init__(self, error: FollowerLostError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def wrap(rt: Runtime, fn: Callable[..., Any], root_directory: Path) -> Callable[..., Any]:
     """The function handed to ``neps.run`` in place of the user's.
 
     ``functools.wraps`` keeps the user's signature visible to NePS, so NePS injects
@@ -24,12 +43,13 @@ def wrap(rt: Runtime, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def evaluate(**kwargs: Any) -> Any:
-        return evaluate_on_group(rt, fn, kwargs)
+        return evaluate_on_group(rt, fn, kwargs, root_directory)
 
     return evaluate
 
 
-def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any],
+                      root_directory: Path) -> Any:
     info = _neps_compat.current_trial()
     rt.seq += 1
     message = TrialMessage(
@@ -39,20 +59,44 @@ def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any
         pipeline_directory=info.pipeline_directory,
         previous_pipeline_directory=info.previous_pipeline_directory,
     )
-    rt.reform_group()
-    rt.send(message)
+    try:
+        rt.send(message)
+        rt.reform_group()  # after the send: followers re-form once they hold the trial
+    except FollowerLostError as exc:
+        _abort(rt, info.trial_id, root_directory, exc)
     rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
-    error: BaseException | None = None
+    error: Exception | None = None
     result: Any = None
     with rt.running(message) as ctx:
         try:
             result = fn(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
             error = exc
-        failures = rt.end_trial(ctx, error)
+        except BaseException as exc:
+            # Ctrl-C, SIGTERM, sys.exit: record the trial before leaving, never leave
+            # it "evaluating" in NePS's state.
+            if ctx.mine is None:
+                rt.fail(ctx, exc)
+            with contextlib.suppress(NepsBcastError):
+                rt.end_trial(ctx, exc)  # keeps the followers in step for the STOP
+            _neps_compat.record_crashed(info.trial_id, root_directory,
+                                        RuntimeError(f"interrupted: {type(exc).__name__}"
+                                                     f" {exc}".rstrip()))
+            raise
+        try:
+            failures = rt.end_trial(ctx, error)
+        except FollowerLostError as exc:
+            _abort(rt, info.trial_id, root_directory, exc)
+    if failures:
+        raise TrialFailedError(
+            format_message(rt.tag, failure_text(failures, message.trial_id))
+        ) from error
     if error is not None:
         raise error
-    new = [f for f in failures if f not in ctx.reported]
-    if new:
-        raise TrialFailedError(format_message(rt.tag, failure_text(new, message.trial_id)))
     return result
+
+
+def _abort(rt: Runtime, trial_id: str, root_directory: Path, exc: FollowerLostError) -> None:
+    rt.log(logging.ERROR, "%s", exc)
+    _neps_compat.record_crashed(trial_id, root_directory, exc)
+    raise SearchAborted(exc) from exc

@@ -8,18 +8,23 @@ being evaluated in this process, and it implements the three per-trial exchanges
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import logging
 import os
+import pickle
 import socket
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import _log
+from neps_bcast import _log, sockets
 from neps_bcast._neps_compat import INJECTED_ARGUMENTS
 from neps_bcast.channel import (
     Channel,
@@ -33,7 +38,6 @@ from neps_bcast.errors import (
     FollowerLostError,
     LeaderLostError,
     ProtocolError,
-    TrialFailedError,
     format_message,
 )
 from neps_bcast.identity import Identity
@@ -70,8 +74,11 @@ class TrialContext:
     message: TrialMessage
     runtime: Runtime
     in_session: bool = False
-    reported: list[ErrorRecord] = field(default_factory=list)
-    """Errors already raised on every rank by ``session()`` for this trial."""
+    mine: ErrorRecord | None = None
+    """This rank's failure in this trial, once it raised."""
+    published: bool = False
+    end_reports: list[Report] | None = None
+    """The trial-end exchange, when a peer already made it during session entry."""
 
     @property
     def config(self) -> dict[str, Any]:
@@ -101,6 +108,13 @@ class Runtime:
         self.seq = 0
         self.group_broken = False
         self.owns_group = False
+        self.own_sockets: set[int] = set()
+        """Connections of neps_bcast's own store and channel (never shut on failure)."""
+        self.group_sockets: set[int] | None = None
+        """Connections of the user's current group, once known."""
+        self._seen_group: object | None = None
+        self._trial_start_sockets: set[int] = set()
+        self.peer_pids: dict[int, str] = {}
 
     # -- identity and logging -------------------------------------------------
     @property
@@ -153,48 +167,96 @@ class Runtime:
                 )
         self.world_size = size
         self.backend = str(dist.get_backend())
+        world = dist.group.WORLD
+        if world is not self._seen_group:
+            # A group formed during this trial (by Lightning or the user): its
+            # connections are the ones that appeared since the trial started.
+            self._seen_group = world
+            if self.group_sockets is None:
+                self.group_sockets = self._new_sockets(self._trial_start_sockets)
 
-    def break_group(self) -> None:
-        """Destroy the user's group so that peers blocked in its collectives fail now."""
-        self.observe_group()
-        if dist.is_available() and dist.is_initialized():
-            self.log(logging.DEBUG, "destroying the DDP group to release its peers")
+    def _new_sockets(self, before: set[int]) -> set[int]:
+        new = sockets.tcp_connections() - before - self.own_sockets
+        if self.store is not None and self.group_rank == 0 and self.launch.kind != "lightning_child":
+            new -= sockets.connections_on_port(self.store.port)
+        return new
+
+    @contextlib.contextmanager
+    def own_connections(self) -> Iterator[None]:
+        """Remember the connections neps_bcast makes inside this block as its own."""
+        before = sockets.tcp_connections()
+        try:
+            yield
+        finally:
+            self.own_sockets |= sockets.tcp_connections() - before
+
+    def break_group(self, exc: BaseException | None = None) -> None:
+        """Take the user's group down so that peers blocked in its collectives fail now.
+
+        Destroying the group is not enough while DDP holds it (see ``sockets``):
+        its connections are shut (gloo) or its communicators aborted (NCCL).
+        """
+        with contextlib.suppress(Exception):
+            self.observe_group()
+        if exc is not None and exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)  # drop finished frames' DDP refs
+        initialized = dist.is_available() and dist.is_initialized()
+        if initialized and self.backend == "nccl":
+            with contextlib.suppress(Exception):
+                dist.distributed_c10d._abort_process_group()
+        if self.group_sockets:
+            n = sockets.shutdown(self.group_sockets)
+            self.log(logging.DEBUG, "shut %d connection(s) of the DDP group", n)
+        if initialized:
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group may fail to close
                 self.log(logging.DEBUG, "destroy_process_group failed", exc_info=True)
+        self.group_sockets = None
+        self._seen_group = None
+        gc.collect()
         self.group_broken = True
 
+    def needs_group(self) -> bool:
+        return (self.world_size or 0) > 1 and (
+            self.group_broken or not (dist.is_available() and dist.is_initialized())
+        )
+
     def reform_group(self) -> None:
-        """Re-create the user's group before a trial, when a failure broke it.
+        """Re-create the user's group before a trial, when a failure (or user code) ended it.
 
         Uses the leader's store under a fresh prefix, so no stale rendezvous keys of an
         earlier group can be read; Lightning then finds the group and reuses it.
         """
-        if not self.group_broken or self.world_size is None or self.world_size <= 1:
+        if not self.needs_group() or self.store is None or self.world_size is None:
             return
         if dist.is_initialized():
             dist.destroy_process_group()
         self.generation += 1
-        assert self.store is not None  # noqa: S101 - set whenever a group existed
+        assert self.store is not None
         prefix = dist.PrefixStore(f"neps_bcast/pg/{self.generation}", self.store)
         backend = self.backend or "gloo"
         self.log(logging.INFO, "re-forming the DDP group (%s, generation %d)", backend,
                  self.generation)
+        before = sockets.tcp_connections()
         dist.init_process_group(backend, store=prefix, rank=self.group_rank,
                                 world_size=self.world_size)
+        self.group_sockets = sockets.tcp_connections() - before - self.own_sockets
+        self._seen_group = dist.group.WORLD
         self.group_broken = False
 
     # -- the leader's store ---------------------------------------------------
     def serve(self) -> dist.TCPStore:
         if self.store is None:
-            self.store = serve_store()
+            with self.own_connections():
+                self.store = serve_store()
             os.environ[ENV_LEADER] = f"127.0.0.1:{self.store.port}"
         return self.store
 
     def connect(self, address: str) -> dist.TCPStore:
         try:
-            self.store = connect_store(address)
+            with self.own_connections():
+                self.store = connect_store(address)
         except Exception as exc:
             raise LeaderLostError(
                 format_message(
@@ -229,8 +291,10 @@ class Runtime:
             return None
         self.log(logging.DEBUG, "joining the control channel")
         try:
-            self.channel = GlooChannel.join(self.store, self.group_rank, self.world_size,
-                                            generation=0)
+            with self.own_connections():
+                self.channel = GlooChannel.join(self.store, self.group_rank, self.world_size,
+                                                generation=0)
+            self._read_peer_pids()
         except JoinTimeoutError as exc:
             raise ProtocolError(
                 format_message(
@@ -246,19 +310,58 @@ class Runtime:
         self.log(logging.INFO, "control channel up (%d ranks)", self.world_size)
         return self.channel
 
+    def _read_peer_pids(self) -> None:
+        if self.store is None or self.world_size is None:
+            return
+        with contextlib.suppress(Exception):
+            for r in range(self.world_size):
+                raw = self.store.get(f"neps_bcast/ctl/0/joined/{r}")
+                self.peer_pids[r] = raw.decode()
+
+    def describe_lost_peers(self) -> str:
+        """Which followers are gone, and how (exit code or signal), where we can tell."""
+        import signal as _signal
+        import subprocess
+
+        here = socket.gethostname()
+        procs = {p.pid: p for p in gc.get_objects() if isinstance(p, subprocess.Popen)}
+        lost = []
+        for r, where in sorted(self.peer_pids.items()):
+            if r == self.group_rank:
+                continue
+            host, _, pid_text = where.rpartition(":")
+            pid = int(pid_text)
+            if host != here:
+                continue
+            proc = procs.get(pid)
+            if proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=2.0)  # Lightning's child: its exit status is ours to read
+                code = proc.returncode
+                if code is None:
+                    continue
+                how = (f"signal {-code} ({_signal.Signals(-code).name})" if code < 0
+                       else f"exit code {code}")
+                lost.append(f"rank {r} lost: {how} (pid {pid})")
+            elif not _alive(pid):
+                lost.append(f"rank {r} lost: its process (pid {pid}) is gone")
+        return "; ".join(lost)
+
     def lost(self, exc: BaseException) -> LeaderLostError | FollowerLostError:
         if self.group_rank == 0:
+            who = self.describe_lost_peers() or "a follower left the group"
             return FollowerLostError(
                 format_message(
                     self.tag,
-                    f"a follower left the group during the trial: {exc}.",
-                    "see the followers' logs; a follower killed by a signal cannot report.",
+                    f"{who} ({_first_line(exc)}).",
+                    "a follower killed by a signal cannot report its error: see its log;"
+                    " the search stops here, and running the same command again resumes it.",
                 )
             )
         return LeaderLostError(
             format_message(
                 self.tag,
-                f"lost the leader (rank 0): {exc}.",
+                f"lost the leader (rank 0): {_first_line(exc)}.",
                 "the leader process exited or was killed; see its log. This follower"
                 " stops because no one is left to hand it trials.",
             )
@@ -298,7 +401,7 @@ class Runtime:
 
     def first_contact(self) -> TrialMessage:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
-        assert self.launch.leader_store is not None  # noqa: S101 - checked by detect()
+        assert self.launch.leader_store is not None
         store = self.connect(self.launch.leader_store)
         try:
             payload = store.get(f"neps_bcast/trial/{self.launch.first_seq}")
@@ -311,7 +414,10 @@ class Runtime:
 
     def exchange(self, phase: Phase, ctx: TrialContext,
                  error: ErrorRecord | None) -> list[Report] | None:
-        """Every rank contributes a report for ``phase``; None when there is no group."""
+        """Every rank contributes a report for ``phase``; None when there is no group.
+
+        Ranks may be at different phases after a failure: the caller decides.
+        """
         channel = self.ensure_channel()
         if channel is None:
             return None
@@ -321,56 +427,104 @@ class Runtime:
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
         reports = [decode(r, tag=self.tag) for r in raw]
-        if not all(isinstance(r, Report) for r in reports):
-            raise ProtocolError(format_message(self.tag, "a rank sent a non-report."))
         typed = [r for r in reports if isinstance(r, Report)]
-        if any(r.phase != phase for r in typed):
-            where = ", ".join(f"rank {r.group_rank} at {r.phase.value}" for r in typed)
-            raise ProtocolError(
-                format_message(
-                    self.tag,
-                    f"the ranks reached different points of trial {ctx.message.trial_id}:"
-                    f" {where}.",
-                    "call neps_bcast.session() on every rank, once per trial, and return"
-                    " from evaluate_pipeline on every rank.",
-                )
-            )
+        if len(typed) != len(reports):
+            raise ProtocolError(format_message(self.tag, "a rank sent a non-report."))
         return typed
+
+    def mismatch_record(self, reports: list[Report], ctx: TrialContext) -> ErrorRecord:
+        where = ", ".join(f"rank {r.group_rank} at {r.phase.value}" for r in reports)
+        text = format_message(
+            self.tag,
+            f"the ranks reached different points of trial {ctx.message.trial_id}: {where}.",
+            "call neps_bcast.session() on every rank, once per trial, or on none.",
+        )
+        return ErrorRecord.from_exception(self.group_rank, ProtocolError(text), pid=os.getpid())
 
     @contextmanager
     def running(self, message: TrialMessage) -> Iterator[TrialContext]:
         ctx = TrialContext(message, self)
         self.current = ctx
+        self._trial_start_sockets = sockets.tcp_connections()
         try:
             yield ctx
         finally:
             self.current = None
 
+    # -- failures -------------------------------------------------------------
+    def publish_error(self, ctx: TrialContext, record: ErrorRecord) -> None:
+        """Make this rank's failure readable by every rank before releasing them."""
+        if ctx.published or self.store is None:
+            return
+        ctx.published = True
+        prefix = f"neps_bcast/err/{ctx.message.seq}"
+        try:
+            self.store.set(f"{prefix}/{self.group_rank}", pickle.dumps(record))
+            self.store.add(f"{prefix}/n", 1)  # a round trip: the set above has landed
+        except Exception as exc:
+            if self.group_rank != 0:
+                raise self.lost(exc) from exc
+            raise
+
+    def published_errors(self, ctx: TrialContext) -> list[ErrorRecord]:
+        if self.store is None or self.world_size is None:
+            return []
+        prefix = f"neps_bcast/err/{ctx.message.seq}"
+        found = []
+        try:
+            if self.store.add(f"{prefix}/n", 0) == 0:
+                return []
+            for r in range(self.world_size):
+                if self.store.check([f"{prefix}/{r}"]):
+                    record = pickle.loads(self.store.get(f"{prefix}/{r}"))  # noqa: S301
+                    if isinstance(record, ErrorRecord):
+                        found.append(record)
+        except Exception as exc:
+            if self.group_rank != 0:
+                raise self.lost(exc) from exc
+            raise
+        return found
+
+    def fail(self, ctx: TrialContext, exc: BaseException) -> list[ErrorRecord]:
+        """This rank raised in a trial: report it, release the peers, return all known."""
+        record = ErrorRecord.from_exception(self.group_rank, exc, pid=os.getpid(),
+                                            secondary=is_secondary(exc))
+        ctx.mine = record
+        self.log(logging.ERROR, "trial %s raised %s: %s", ctx.message.trial_id,
+                 record.type_name, _first_line(exc))
+        self.publish_error(ctx, record)
+        if (self.world_size or 0) > 1 or dist.is_initialized():
+            self.break_group(exc)
+        others = [r for r in self.published_errors(ctx) if r.group_rank != self.group_rank]
+        return sort_records([record, *others])
+
     def end_trial(self, ctx: TrialContext, error: BaseException | None) -> list[ErrorRecord]:
         """Trial end on every rank: report how the function ended, learn the others'.
 
-        Returns the failures not already raised by ``session()``, root causes first.
+        Returns every failure of the trial, root causes first.
         """
-        record = None
-        if error is not None and not isinstance(error, TrialFailedError):
-            record = ErrorRecord.from_exception(self.group_rank, error, pid=os.getpid(),
-                                                secondary=is_secondary(error))
-            if (self.world_size or 0) > 1:
-                self.break_group()
-        reports = self.exchange(Phase.TRIAL_END, ctx, record)
-        records = [record] if record is not None else []
+        if error is not None and ctx.mine is None:
+            self.fail(ctx, error)
+        if ctx.end_reports is None:
+            ctx.end_reports = self.exchange(Phase.TRIAL_END, ctx, ctx.mine)
+        reports = ctx.end_reports
+        records = [ctx.mine] if ctx.mine is not None else []
         if reports is not None:
             records = [r.error for r in reports if r.error is not None]
-        if records or isinstance(error, TrialFailedError):
-            if (self.world_size or 0) > 1:
-                self.break_group()
+            if not records and any(r.phase != Phase.TRIAL_END for r in reports):
+                records = [self.mismatch_record(reports, ctx)]
+        if records and (self.world_size or 0) > 1 and not self.group_broken:
+            self.break_group()
         return sort_records(records)
 
     def shutdown(self, reason: str) -> None:
-        """Leader: tell every follower to stop, then close the channel."""
+        """Leader: tell every follower to stop, wait for their goodbye, close the channel."""
         try:
             if self.channel is not None or (self.world_size or 0) > 1:
                 self.send(StopMessage(reason))
+                if self.channel is not None:
+                    with contextlib.suppress(ChannelClosedError):
+                        self.channel.allgather(b"bye")
         finally:
             self.close()
 
@@ -381,6 +535,19 @@ class Runtime:
         for name in (ENV_LEADER, ENV_FIRST_SEQ):
             if self.launch.kind == "single":
                 os.environ.pop(name, None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 def sort_records(records: list[ErrorRecord]) -> list[ErrorRecord]:

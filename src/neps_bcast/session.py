@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,12 +11,14 @@ from typing import Any
 
 from neps_bcast import runtime as _runtime
 from neps_bcast.errors import (
+    NepsBcastError,
+    ProtocolError,
     SessionError,
     TrialFailedError,
     TrialMismatchError,
     format_message,
 )
-from neps_bcast.messages import ErrorRecord, Phase
+from neps_bcast.messages import Phase, Report
 
 
 @dataclass(frozen=True)
@@ -62,14 +63,7 @@ def session() -> Iterator[Trial]:
     message = ctx.message
     reports = rt.exchange(Phase.SESSION_ENTER, ctx, None)
     if reports is not None:
-        ids = {(r.seq, r.trial_id) for r in reports}
-        if len(ids) > 1:
-            each = ", ".join(f"rank {r.group_rank}: trial {r.trial_id}" for r in reports)
-            raise TrialMismatchError(
-                format_message(rt.tag, f"the ranks hold different trials ({each}).",
-                               "this is a bug in neps_bcast or a rank started outside"
-                               " it; please report it with every rank's log.")
-            )
+        _check_entry(rt, ctx, reports)
     rt.observe_group()
     trial = Trial(
         id=message.trial_id,
@@ -85,30 +79,35 @@ def session() -> Iterator[Trial]:
         yield trial
     except BaseException as exc:
         ctx.in_session = False
-        if isinstance(exc, TrialFailedError):
-            raise
-        record = ErrorRecord.from_exception(rt.group_rank, exc, pid=os.getpid(),
-                                            secondary=_runtime.is_secondary(exc))
-        rt.log(logging.ERROR, "trial %s raised %s: %s", message.trial_id,
-               type(exc).__name__, exc)
-        if (rt.world_size or 0) > 1 or rt.channel is not None:
-            rt.break_group()
-        _raise_if_failed(rt, ctx, record, cause=exc)
-        raise
+        if isinstance(exc, NepsBcastError) and ctx.mine is not None:
+            raise  # already reported by this rank
+        records = rt.fail(ctx, exc)
+        if not isinstance(exc, Exception):
+            raise  # KeyboardInterrupt, SystemExit: reported, and they keep their meaning
+        raise TrialFailedError(
+            format_message(rt.tag, _runtime.failure_text(records, message.trial_id))
+        ) from exc
     ctx.in_session = False
-    _raise_if_failed(rt, ctx, None, cause=None)
 
 
-def _raise_if_failed(rt: _runtime.Runtime, ctx: _runtime.TrialContext,
-                     record: ErrorRecord | None, cause: BaseException | None) -> None:
-    reports = rt.exchange(Phase.SESSION_EXIT, ctx, record)
-    if reports is None:
-        return
-    records = _runtime.sort_records([r.error for r in reports if r.error is not None])
-    if not records:
-        return
-    if record is None:
-        rt.break_group()
-    ctx.reported.extend(records)
-    text = _runtime.failure_text(records, ctx.message.trial_id)
-    raise TrialFailedError(format_message(rt.tag, text)) from cause
+def _check_entry(rt: _runtime.Runtime, ctx: _runtime.TrialContext,
+                 reports: list[Report]) -> None:
+    if any(r.phase == Phase.TRIAL_END for r in reports):
+        # A peer already finished this trial (it failed before its session, or it
+        # uses none): this exchange was its trial end, and it is ours too.
+        ctx.end_reports = reports
+        records = _runtime.sort_records([r.error for r in reports if r.error is not None])
+        if records:
+            raise TrialFailedError(
+                format_message(rt.tag, _runtime.failure_text(records, ctx.message.trial_id))
+            )
+        raise ProtocolError(rt.mismatch_record(reports, ctx).message)
+    if any(r.phase != Phase.SESSION_ENTER for r in reports):
+        raise ProtocolError(rt.mismatch_record(reports, ctx).message)
+    if len({(r.seq, r.trial_id) for r in reports}) > 1:
+        each = ", ".join(f"rank {r.group_rank}: trial {r.trial_id}" for r in reports)
+        raise TrialMismatchError(
+            format_message(rt.tag, f"the ranks hold different trials ({each}).",
+                           "this is a bug in neps_bcast or a rank started outside"
+                           " it; please report it with every rank's log.")
+        )
