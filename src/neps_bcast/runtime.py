@@ -176,7 +176,7 @@ class Runtime:
                 self.group_sockets = self._new_sockets(self._trial_start_sockets)
 
     def _new_sockets(self, before: set[int]) -> set[int]:
-        new = sockets.tcp_connections() - before - self.own_sockets
+        new = sockets.tcp_among(sockets.socket_set() - before - self.own_sockets)
         if self.store is not None and self.group_rank == 0 and self.launch.kind != "lightning_child":
             new -= sockets.connections_on_port(self.store.port)
         return new
@@ -184,11 +184,11 @@ class Runtime:
     @contextlib.contextmanager
     def own_connections(self) -> Iterator[None]:
         """Remember the connections neps_bcast makes inside this block as its own."""
-        before = sockets.tcp_connections()
+        before = sockets.socket_set()
         try:
             yield
         finally:
-            self.own_sockets |= sockets.tcp_connections() - before
+            self.own_sockets |= sockets.socket_set() - before
 
     def break_group(self, exc: BaseException | None = None) -> None:
         """Take the user's group down so that peers blocked in its collectives fail now.
@@ -238,10 +238,10 @@ class Runtime:
         backend = self.backend or "gloo"
         self.log(logging.INFO, "re-forming the DDP group (%s, generation %d)", backend,
                  self.generation)
-        before = sockets.tcp_connections()
+        before = sockets.socket_set()
         dist.init_process_group(backend, store=prefix, rank=self.group_rank,
                                 world_size=self.world_size)
-        self.group_sockets = sockets.tcp_connections() - before - self.own_sockets
+        self.group_sockets = sockets.tcp_among(sockets.socket_set() - before - self.own_sockets)
         self._seen_group = dist.group.WORLD
         self.group_broken = False
 
@@ -445,7 +445,8 @@ class Runtime:
     def running(self, message: TrialMessage) -> Iterator[TrialContext]:
         ctx = TrialContext(message, self)
         self.current = ctx
-        self._trial_start_sockets = sockets.tcp_connections()
+        # Cheap (no /proc/net read): the group's connections are told apart later.
+        self._trial_start_sockets = sockets.socket_set()
         try:
             yield ctx
         finally:

@@ -59,6 +59,16 @@ def tcp_connections() -> set[int]:
     return {inode for inode in established_tcp() if inode in mine}
 
 
+def socket_set() -> set[int]:
+    """Inodes of every socket this process holds: cheap (no /proc/net read)."""
+    return set(socket_inodes())
+
+
+def tcp_among(inodes: set[int]) -> set[int]:
+    """The established TCP connections among ``inodes``."""
+    return {inode for inode in established_tcp() if inode in inodes}
+
+
 def connections_on_port(port: int) -> set[int]:
     mine = socket_inodes()
     return {inode for inode, local in established_tcp().items()
