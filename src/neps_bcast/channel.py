@@ -25,6 +25,8 @@ WAIT_TIMEOUT = datetime.timedelta(
     seconds=float(os.environ.get("NEPS_BCAST_WAIT_TIMEOUT_S", str(7 * 24 * 3600)))
 )
 """Last-resort bound on one blocking channel operation while every peer is alive."""
+CONNECT_TIMEOUT = float(os.environ.get("NEPS_BCAST_CONNECT_TIMEOUT_S", "30"))
+"""Bound on reaching the leader's store (it is up before anyone is told its address)."""
 JOIN_TIMEOUT = datetime.timedelta(
     seconds=float(os.environ.get("NEPS_BCAST_JOIN_TIMEOUT_S", "300"))
 )
@@ -68,7 +70,14 @@ def serve_store(timeout: datetime.timedelta = WAIT_TIMEOUT) -> dist.TCPStore:
 
 
 def connect_store(address: str, timeout: datetime.timedelta = WAIT_TIMEOUT) -> dist.TCPStore:
+    """Connect to the leader's store; fails at once when nothing listens there.
+
+    The store is up before its address is handed out, so a refused connection means
+    the leader is gone: without this probe, TCPStore would retry it for ``timeout``.
+    """
     host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
+        pass
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 
 

@@ -39,6 +39,7 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
             rt.log(logging.INFO, "trial %s failed: %s", message.trial_id,
                    "; ".join(f.headline() for f in failures))
         message = rt.receive()
+    rt.stopping = True
     rt.log(logging.INFO, "stopping: %s", message.reason)
     if rt.channel is not None:
         with contextlib.suppress(Exception):

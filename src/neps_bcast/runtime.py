@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import _log, sockets
+from neps_bcast import _log, sockets, watchdog
 from neps_bcast._neps_compat import INJECTED_ARGUMENTS
 from neps_bcast.channel import (
     Channel,
@@ -115,6 +115,8 @@ class Runtime:
         self._seen_group: object | None = None
         self._trial_start_sockets: set[int] = set()
         self.peer_pids: dict[int, str] = {}
+        self.stopping = False
+        """Follower: the leader said STOP, so losing it from now on is normal."""
 
     # -- identity and logging -------------------------------------------------
     @property
@@ -257,6 +259,7 @@ class Runtime:
         try:
             with self.own_connections():
                 self.store = connect_store(address)
+                watchdog.watch_leader(address, self.tag, lambda: self.stopping)
         except Exception as exc:
             raise LeaderLostError(
                 format_message(
