@@ -259,7 +259,7 @@ class Runtime:
         try:
             with self.own_connections():
                 self.store = connect_store(address)
-                watchdog.watch_leader(address, self.tag, lambda: self.stopping)
+                watchdog.watch_leader(address, lambda: self.tag, lambda: self.stopping)
         except Exception as exc:
             raise LeaderLostError(
                 format_message(
@@ -524,6 +524,9 @@ class Runtime:
     def shutdown(self, reason: str) -> None:
         """Leader: tell every follower to stop, wait for their goodbye, close the channel."""
         try:
+            if self.store is not None:
+                with contextlib.suppress(Exception):
+                    self.store.set(watchdog.RELEASED, b"1")  # losing us is normal from now
             if self.channel is not None or (self.world_size or 0) > 1:
                 self.send(StopMessage(reason))
                 if self.channel is not None:
