@@ -66,6 +66,8 @@ class Launch:
     left_alive: list[int]
     seconds: float
     proc: subprocess.Popen[bytes]
+    gone_at: float = 0.0
+    """Wall-clock time (time.time()) at which no process of the launch was left."""
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.splitlines()[-n:])
@@ -93,9 +95,11 @@ def launch(cmd: list[str], *, log_path: Path, env: dict[str, str], cwd: Path,
     while left and time.monotonic() < deadline:
         time.sleep(0.1)  # bounded wait for processes to finish exiting, not synchronization
         left = session_pids(proc.pid)
+    gone_at = time.time()
     if left:
         kill_session(proc.pid)
-    return Launch(proc.returncode, log_path.read_text(errors="replace"), left, seconds, proc)
+    return Launch(proc.returncode, log_path.read_text(errors="replace"), left, seconds, proc,
+                  gone_at)
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:
@@ -115,6 +119,9 @@ def trials_by_rank(events: list[dict[str, Any]]) -> dict[int, list[tuple[str, di
 def neps_trials(root: Path) -> dict[str, Any]:
     """NePS's own record of the search, read with NePS's reader."""
     from neps.state.neps_state import NePSState
+
+    if str(SCRIPTS) not in sys.path:
+        sys.path.append(str(SCRIPTS))  # the search space may name search.py's helpers
 
     state = NePSState.create_or_load(path=root, load_only=True)
     return state.lock_and_read_trials()

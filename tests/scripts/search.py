@@ -10,9 +10,15 @@ configured by environment variables so that each test sets only what it varies:
   NB_STRATEGY     "ddp" (default), "ddp_spawn", "none" (no Lightning: plain function)
                   or "plain_ddp" (torch DDP loop without Lightning, external launch)
   NB_OPTIMIZER    NePS optimizer (default "random_search")
-  NB_SPACE        "basic" (Float log, Integer, Categorical) or "fidelity" (+ epochs)
+  NB_SPACE        "basic" (Float log, Integer, Categorical), "fidelity" (+ epochs) or
+                  "unpicklable" (+ an Operation whose object cannot be pickled in the
+                  trials listed in NB_UNPICKLABLE_SEQS, e.g. "2,3")
   NB_IGNORE_ERRORS  "1" to pass ignore_errors=True
-  NB_FAULT        fault injection, e.g. "raise:rank=1:seq=2:where=fit" (see fault())
+  NB_FAULT        fault injection, e.g. "raise:rank=1:seq=2:where=fit" (see fault());
+                  several faults separated by commas
+  NB_DESTROY_GROUP  "1": the function calls dist.destroy_process_group() at its end, as
+                  PyTorch's DDP tutorial does
+  NB_DEVICES_AT   "<seq>:<n>": Lightning devices=<n> in the <seq>-th trial only
   NB_EXTRA_ARGS   "1" to ask for pipeline_directory/previous_pipeline_directory/pipeline_id
   NB_BAD          bad input on one rank: "skip_run:rank=<r>" (that rank never calls
                   neps_bcast.run), "root:rank=<r>", "space:rank=<r>" or
@@ -30,6 +36,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import neps_bcast
+from space_tools import unpicklable_tool
 
 ENV = os.environ
 RECORD = Path(ENV["NB_RECORD"]).resolve() if "NB_RECORD" in ENV else None
@@ -93,7 +101,17 @@ def record(event: str, **data: Any) -> None:
 
 
 def fault(where: str) -> None:
-    """NB_FAULT = "<kind>:rank=<r>:seq=<n>:where=<point>" with kind raise|exit|kill|sigkill_leader."""
+    """NB_FAULT = "<kind>:rank=<r|all>:seq=<n>:where=<point>[:s=<seconds>]", comma-separated.
+
+    kind: raise (ValueError), kill (SIGKILL itself), kill_in (a thread SIGKILLs this
+    process <s> seconds later), term_all (SIGTERM itself; with rank=all every rank gets
+    one, as SLURM preemption does), int (SIGINT itself), int_group (SIGINT to the whole
+    process group, as Ctrl-C in a terminal does), sigkill_leader (a Lightning child
+    SIGKILLs its parent, the leader).
+    where: before (in the function, before session()), session (first thing inside
+    it), fit (Lightning training_step / the DDP loop), after (end of the session
+    block), sample (the leader's NePS sampling its next trial; seq = trials done).
+    """
     if not FAULT:
         return
     for spec in FAULT.split(","):
@@ -105,12 +123,38 @@ def fault(where: str) -> None:
             continue
         if "seq" in opts and int(opts["seq"]) != SEQ["n"]:
             continue
+        record("fault", kind=kind, where=where, seq=SEQ["n"], rank=my_rank())
         if kind == "raise":
             raise ValueError(f"injected failure on rank {my_rank()} at {where}")
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "kill_in":
+            delay = float(opts.get("s", "1"))
+            threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
         if kind == "term_all":
             os.kill(os.getpid(), signal.SIGTERM)
+        if kind == "int":
+            os.kill(os.getpid(), signal.SIGINT)
+        if kind == "int_group":
+            os.killpg(os.getpgrp(), signal.SIGINT)
+        if kind == "sigkill_leader":
+            os.kill(os.getppid(), signal.SIGKILL)
+
+
+_real_sample = _ns.NePSState._sample_trial
+
+
+def _sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
+    fault("sample")  # the leader is choosing the next trial; its followers wait for it
+    return _real_sample(self, *args, **kwargs)
+
+
+_ns.NePSState._sample_trial = _sampling  # type: ignore[method-assign]
+
+
+def devices() -> int:
+    at, _, n = ENV.get("NB_DEVICES_AT", "").partition(":")
+    return int(n) if at and SEQ["n"] == int(at) else DEVICES
 
 
 class Model(L.LightningModule):
@@ -144,7 +188,7 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 def train(kwargs: dict[str, Any]) -> float:
     epochs = int(kwargs.get("epochs", 1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=DEVICES, strategy=STRATEGY, max_epochs=epochs,
+        accelerator="cpu", devices=devices(), strategy=STRATEGY, max_epochs=epochs,
         logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=kwargs.get("pipeline_directory"),
     )
@@ -197,7 +241,18 @@ def plain_ddp(kwargs: dict[str, Any]) -> float:
 
 def evaluate(**kwargs: Any) -> float:
     SEQ["n"] += 1
-    fault("before")
+    try:
+        fault("before")
+        return in_session(kwargs)
+    except BaseException as exc:
+        # What every rank's session raised (the failing rank's own error, or the
+        # TrialFailedError naming it).
+        record("raised", seq=SEQ["n"], rank=my_rank(), type=type(exc).__name__,
+               text=str(exc))
+        raise
+
+
+def in_session(kwargs: dict[str, Any]) -> float:
     with neps_bcast.session() as trial:
         record("trial", trial_id=trial.id, rank=trial.rank, world_size=trial.world_size,
                is_leader=trial.is_leader, kwargs=kwargs, config=trial.config,
@@ -221,8 +276,10 @@ def evaluate(**kwargs: Any) -> float:
         else:
             loss = train(kwargs)
         record("trained", rank=trial.rank, world_size_after=dist.get_world_size()
-               if dist.is_initialized() else None)
+               if dist.is_initialized() else None, loss=loss)
         fault("after")
+        if ENV.get("NB_DESTROY_GROUP") == "1" and dist.is_initialized():
+            dist.destroy_process_group()
     return loss
 
 
@@ -241,6 +298,13 @@ class Basic(neps.PipelineSpace):
     activation = neps.Categorical(("relu", "tanh", "gelu"))
 
 
+class WithTool(neps.PipelineSpace):
+    lr = neps.Float(1e-3, 1e-1, log=True)
+    hidden = neps.Integer(2, 16)
+    activation = neps.Categorical(("relu", "tanh", "gelu"))
+    tool = neps.Operation(operator=unpicklable_tool)
+
+
 class WithFidelity(neps.PipelineSpace):
     lr = neps.Float(1e-3, 1e-1, log=True)
     hidden = neps.Integer(2, 16)
@@ -252,7 +316,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s pid{os.getpid()} %(name)s %(levelname)s: %(message)s")
     logging.getLogger("lightning").setLevel(logging.WARNING)
-    space = WithFidelity() if ENV.get("NB_SPACE") == "fidelity" else Basic()
+    space = {"fidelity": WithFidelity, "unpicklable": WithTool}.get(ENV.get("NB_SPACE", ""),
+                                                                    Basic)()
     fn = with_dirs if ENV.get("NB_EXTRA_ARGS") == "1" or ENV.get("NB_SPACE") == "fidelity" else evaluate
     record("start", argv=sys.argv, cwd=os.getcwd())
     root = ENV.get("NB_ROOT", "results")
