@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _neps_compat, leader, rendezvous
+from neps_bcast import _lightning_compat, _neps_compat, leader, rendezvous
 from neps_bcast.errors import LaunchError, NepsBcastError, format_message
 from neps_bcast.follower import follow
 from neps_bcast.launch import Launch, detect
@@ -71,6 +71,8 @@ def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | st
         return fn(*args, **fn_kwargs)
 
     wrapped = leader.wrap(rt, first_trial_releases, root)
+    if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
+        _lightning_compat.before_observer_kills(lambda: leader.let_leader_record(rt, root))
     try:
         with _sigterm_raises():
             guard.acquire()
@@ -80,6 +82,7 @@ def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | st
                 neps.run(wrapped, space, **kwargs)
             finally:
                 guard.release()
+                rt.settled.set()
     except leader.SearchAborted as aborted:
         with contextlib.suppress(Exception):
             rt.close()

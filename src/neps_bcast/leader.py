@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from neps_bcast.errors import (
 )
 from neps_bcast.messages import TrialMessage
 from neps_bcast.runtime import Runtime, failure_text
+
+RECORD_GRACE_S = 10.0
+"""How long Lightning's observer waits for the leader to record a trial before killing."""
 
 
 class SearchAborted(BaseException):
@@ -82,6 +86,7 @@ def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any
             _neps_compat.record_crashed(info.trial_id, root_directory,
                                         RuntimeError(f"interrupted: {type(exc).__name__}"
                                                      f" {exc}".rstrip()))
+            rt.settled.set()
             raise
         try:
             failures = rt.end_trial(ctx, error)
@@ -99,4 +104,21 @@ def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any
 def _abort(rt: Runtime, trial_id: str, root_directory: Path, exc: FollowerLostError) -> None:
     rt.log(logging.ERROR, "%s", exc)
     _neps_compat.record_crashed(trial_id, root_directory, exc)
+    rt.settled.set()
     raise SearchAborted(exc) from exc
+
+
+def let_leader_record(rt: Runtime, root_directory: Path) -> None:
+    """Lightning's observer is about to SIGKILL this launch (a child exited non-zero):
+    give the leader time to record the running trial and leave by itself; if it is
+    stuck, record the trial here, so it is never left "evaluating"."""
+    if rt.settled.wait(RECORD_GRACE_S):
+        time.sleep(RECORD_GRACE_S)  # recorded: it is leaving; kill only if it hangs
+        return
+    ctx = rt.current
+    if ctx is None:
+        return
+    error = rt.lost(RuntimeError("Lightning's process observer is ending the launch"))
+    rt.log(logging.ERROR, "%s", error)
+    with contextlib.suppress(Exception):
+        _neps_compat.record_crashed(ctx.message.trial_id, root_directory, error)

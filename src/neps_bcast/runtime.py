@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import socket
+import threading
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -117,6 +118,8 @@ class Runtime:
         self.peer_pids: dict[int, str] = {}
         self.stopping = False
         """Follower: the leader said STOP, so losing it from now on is normal."""
+        self.settled = threading.Event()
+        """Leader: the trial that ends the search is recorded (or neps.run ended)."""
 
     # -- identity and logging -------------------------------------------------
     @property

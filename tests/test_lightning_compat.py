@@ -1,0 +1,37 @@
+"""Fails loudly when Lightning changes what ``neps_bcast._lightning_compat`` relies on:
+its subprocess launcher's observer SIGKILLs the launch through ``_terminate_all``
+when a child exits non-zero, and our hook runs first."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from lightning.fabric.strategies.launchers import subprocess_script
+
+from neps_bcast import _lightning_compat
+
+
+def test_the_hook_runs_before_lightnings_observer_kills() -> None:
+    calls: list[str] = []
+    _lightning_compat.before_observer_kills(lambda: calls.append("hook"))
+    main = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    child.wait(timeout=30)
+    try:
+        observer = subprocess_script._ChildProcessObserver(main.pid, [child])
+        assert observer._run() is True  # a child exited non-zero: it ends the launch
+        assert calls == ["hook"]
+        assert main.wait(timeout=30) == -9  # then it killed the "leader", as before
+    finally:
+        main.kill()
+        main.wait()
+
+
+def test_installing_twice_keeps_one_wrapper() -> None:
+    _lightning_compat.before_observer_kills(lambda: None)
+    first = subprocess_script._ChildProcessObserver._terminate_all
+    _lightning_compat.before_observer_kills(lambda: None)
+    second = subprocess_script._ChildProcessObserver._terminate_all
+    assert first.__wrapped__ is second.__wrapped__
+    assert not hasattr(second.__wrapped__, "__wrapped__")
