@@ -229,10 +229,13 @@ def test_leader_killed_every_follower_exits_naming_it(tmp_path: Path, when: str)
         assert exits[0]["error"].startswith("LeaderLostError: [neps_bcast rank 1/")
 
 
-@pytest.mark.parametrize("signal_name", ["term_all", "int_leader", "ctrl_c"])
+@pytest.mark.parametrize("signal_name", ["term_all", "term_follower", "int_leader", "ctrl_c"])
 def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
         tmp_path: Path, signal_name: str) -> None:
     fault = {"term_all": "term_all:rank=all:seq=2:where=fit",  # SLURM preemption
+             # One rank only: Lightning's own SIGTERM handler would broadcast on the
+             # group from inside the handler and hang every rank.
+             "term_follower": "term_all:rank=1:seq=2:where=fit",
              "int_leader": "int:rank=0:seq=2:where=fit",
              "ctrl_c": "int_group:rank=0:seq=2:where=fit"}[signal_name]  # whole group
     result, root, events = run(tmp_path, NB_TRIALS="4", NB_FAULT=fault)
@@ -241,7 +244,11 @@ def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
     recorded = reports(root)
     assert sorted(recorded) == [1, 2]
     assert recorded[2][:2] == ("crashed", "crashed")
-    assert recorded[2][2].startswith("interrupted: ")
+    if signal_name == "term_follower":
+        assert "trial 2 failed on rank 1: rank 1: Terminated: 143" in recorded[2][2]
+        assert "rank 1 lost: exit code 143" in result.log  # not an abort at exit
+    else:
+        assert recorded[2][2].startswith("interrupted: ")
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
     exits = {e["proc_rank"]: e for e in events if e["event"] == "exit"}
     assert sorted(exits) == [0, 1]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from lightning.fabric.strategies.launchers import subprocess_script
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 from neps_bcast import _lightning_compat
 
@@ -35,3 +36,12 @@ def test_installing_twice_keeps_one_wrapper() -> None:
     second = subprocess_script._ChildProcessObserver._terminate_all
     assert first.__wrapped__ is second.__wrapped__
     assert not hasattr(second.__wrapped__, "__wrapped__")
+
+
+def test_lightnings_sigterm_handler_is_wrapped_once() -> None:
+    original = getattr(_SignalConnector._sigterm_notifier_fn, "__wrapped__",
+                       _SignalConnector._sigterm_notifier_fn)
+    assert callable(original)
+    _lightning_compat.sigterm_without_broadcast(lambda: True)
+    _lightning_compat.sigterm_without_broadcast(lambda: True)
+    assert _SignalConnector._sigterm_notifier_fn.__wrapped__ is original

@@ -5,20 +5,30 @@
 Lightning's subprocess launcher (``strategy="ddp"`` run as ``python script.py``)
 starts a ``_ChildProcessObserver`` thread in the leader: every 5 s it polls the
 children, and when one has exited non-zero it SIGKILLs the other children and the
-leader itself. When a follower is killed mid-trial, the leader needs a few hundred
+leader itself (1). When a follower is killed mid-trial, the leader needs a few hundred
 milliseconds to learn it, record the trial as crashed in NePS and stop; measured
 here, about one run in ten was killed by the observer first, leaving the trial
 "evaluating" in NePS for ever. The observer is kept (it still ends a launch whose
 leader hangs), but before it kills, it lets the leader finish recording.
+
+(2) During ``fit`` Lightning's ``_SignalConnector`` handles SIGTERM on every rank by
+forwarding it to its children and then issuing a ``dist.broadcast`` on the training
+group from inside the signal handler. Sent to one rank only, that broadcast meets no
+partner (its peers are in their own training collectives): measured here, a SIGTERM
+to one follower hung the whole launch. Inside ``neps_bcast.run`` the broadcast is
+skipped; the previous handler (neps_bcast's, raising ``Terminated``) then runs and the
+trial fails on every rank like any error.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 _OBSERVER_MODULE = "lightning.fabric.strategies.launchers.subprocess_script"
+_SIGNAL_MODULE = "lightning.pytorch.trainer.connectors.signal_connector"
 
 
 def before_observer_kills(hook: Callable[[], None]) -> None:
@@ -39,3 +49,30 @@ def before_observer_kills(hook: Callable[[], None]) -> None:
 
     _terminate_all.__wrapped__ = original  # type: ignore[attr-defined]
     observer._terminate_all = _terminate_all
+
+
+def sigterm_without_broadcast(is_active: Callable[[], bool]) -> None:
+    """While ``is_active()``, Lightning's SIGTERM handler skips its group broadcast.
+
+    Only if ``lightning.pytorch`` is imported already (Lightning scripts import it at
+    the top): importing it here would cost every other user seconds.
+    """
+    if "lightning.pytorch" not in sys.modules:
+        return
+    module = importlib.import_module(_SIGNAL_MODULE)
+    connector: Any = module._SignalConnector
+    current = connector._sigterm_notifier_fn
+    original = getattr(current, "__wrapped__", current)
+
+    def _sigterm_notifier_fn(self: Any, signum: Any, frame: Any) -> None:
+        if not is_active():
+            original(self, signum, frame)
+            return
+        module.log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
+        launcher = self.trainer.strategy.launcher
+        if not self.received_sigterm and launcher is not None:
+            launcher.kill(signum)  # as Lightning does: its children get it too
+        self.received_sigterm = True
+
+    _sigterm_notifier_fn.__wrapped__ = original  # type: ignore[attr-defined]
+    connector._sigterm_notifier_fn = _sigterm_notifier_fn

@@ -22,7 +22,7 @@ from neps_bcast.follower import follow
 from neps_bcast.launch import Launch, detect
 from neps_bcast.rendezvous import fingerprint
 from neps_bcast.root_guard import RootGuard
-from neps_bcast.runtime import Runtime
+from neps_bcast.runtime import Runtime, active
 
 ENV_BACKEND = "NEPS_BCAST_BACKEND"
 
@@ -38,21 +38,28 @@ def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
     launch = detect()
     fn = _resolve(evaluate_pipeline, launch)
     rt = Runtime(launch)
+    _lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
     with rt.activated():
         if launch.kind == "single":
             _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
         elif launch.kind == "lightning_child":
             rt.log(logging.INFO, "Lightning child of the leader at %s", launch.leader_store)
-            with _sigterm_raises():
-                follow(rt, fn, rt.first_contact())
+            try:
+                with _sigterm_raises():
+                    follow(rt, fn, rt.first_contact())
+            finally:
+                rt.release_watch()
         else:
             _start_external(rt, fingerprint(evaluate_pipeline, pipeline_space, kwargs))
             try:
                 if rt.group_rank == 0:
                     _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
                 else:
-                    with _sigterm_raises():
-                        follow(rt, fn, None)
+                    try:
+                        with _sigterm_raises():
+                            follow(rt, fn, None)
+                    finally:
+                        rt.release_watch()
             finally:
                 if rt.owns_group and dist.is_initialized():
                     dist.destroy_process_group()

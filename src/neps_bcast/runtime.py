@@ -119,6 +119,8 @@ class Runtime:
         self.stopping = False
         """Follower: the leader said STOP, so losing it from now on is normal."""
         self.settled = threading.Event()
+        self.watch: watchdog.LeaderWatch | None = None
+        """Follower: the thread watching the leader (see ``watchdog``)."""
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
 
     # -- identity and logging -------------------------------------------------
@@ -262,7 +264,8 @@ class Runtime:
         try:
             with self.own_connections():
                 self.store = connect_store(address)
-                watchdog.watch_leader(address, lambda: self.tag, lambda: self.stopping)
+                self.watch = watchdog.LeaderWatch(address, self.group_rank,
+                                                  lambda: self.tag, lambda: self.stopping)
         except Exception as exc:
             raise LeaderLostError(
                 format_message(
@@ -528,8 +531,9 @@ class Runtime:
         """Leader: tell every follower to stop, wait for their goodbye, close the channel."""
         try:
             if self.store is not None:
-                with contextlib.suppress(Exception):
-                    self.store.set(watchdog.RELEASED, b"1")  # losing us is normal from now
+                with contextlib.suppress(Exception):  # losing us is normal from now on
+                    for r in range(1, self.world_size or 1):
+                        self.store.set(watchdog.released_key(r), b"1")
             if self.channel is not None or (self.world_size or 0) > 1:
                 self.send(StopMessage(reason))
                 if self.channel is not None:
@@ -537,6 +541,13 @@ class Runtime:
                         self.channel.allgather(b"bye")
         finally:
             self.close()
+
+    def release_watch(self) -> None:
+        """Follower leaving (normally or not): end the leader watch first."""
+        self.stopping = True
+        if self.store is not None and self.watch is not None:
+            self.watch.release(self.store)
+        self.watch = None
 
     def close(self) -> None:
         if self.channel is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -28,23 +27,32 @@ from neps_bcast.channel import WAIT_TIMEOUT, connect_store
 
 GRACE_S = 3.0
 """Time the follower's own code gets to notice the loss before the watch ends it."""
-RELEASED = "neps_bcast/watch/released"
-"""Set by the leader only when it stops its followers: their watches end quietly."""
+def released_key(group_rank: int) -> str:
+    """Set by the leader when it stops its followers, or by the follower when it leaves:
+    the watch then ends quietly (a thread still blocked in the store's C++ wait when the
+    interpreter exits aborts the process: "terminate called without an active exception")."""
+    return f"neps_bcast/watch/released/{group_rank}"
 
 
-def watch_leader(address: str, tag: Callable[[], str],
-                 is_done: Callable[[], bool]) -> threading.Thread:
-    """Start the watch (a daemon thread) on the leader's store at ``address``.
+class LeaderWatch:
+    """The watch thread of one follower; ``release()`` ends it."""
 
-    ``is_done()`` tells that this follower was told to stop: the leader may then exit
-    first, and losing it is normal.
-    """
-    store = connect_store(address)  # before returning: a dead leader raises here
+    def __init__(self, address: str, group_rank: int, tag: Callable[[], str],
+                 is_done: Callable[[], bool]) -> None:
+        self.address = address
+        self.group_rank = group_rank
+        self._tag = tag
+        self._is_done = is_done
+        self._released = threading.Event()
+        self._store = connect_store(address)  # before returning: a dead leader raises here
+        self.thread = threading.Thread(target=self._run, name="neps_bcast-leader-watch",
+                                       daemon=True)
+        self.thread.start()
 
-    def run() -> None:
+    def _run(self) -> None:
         while True:
             try:
-                store.wait([RELEASED], WAIT_TIMEOUT)
+                self._store.wait([released_key(self.group_rank)], WAIT_TIMEOUT)
             except dist.DistStoreError as exc:
                 if "timeout" in str(exc).lower():
                     continue  # the leader is alive, only quiet for a long time
@@ -52,21 +60,23 @@ def watch_leader(address: str, tag: Callable[[], str],
             except Exception:  # noqa: BLE001 - the connection is gone (DistNetworkError)
                 break
             else:
-                return  # released: the search is over
-        if is_done():
+                return  # released: the search is over, or this follower is leaving
+        if self._is_done() or self._released.wait(GRACE_S) or self._is_done():
             return
-        time.sleep(GRACE_S)
-        if is_done():
-            return
-        _log.log(logging.ERROR, tag(),
+        _log.log(logging.ERROR, self._tag(),
                  "lost the leader (rank 0): its store at %s closed the connection, and"
                  " this process was still waiting %.0f s later (in a rendezvous or a"
                  " collective). Exiting with code 1 (LeaderLostError). HINT: the leader"
-                 " process exited or was killed; see its log.", address, GRACE_S)
+                 " process exited or was killed; see its log.", self.address, GRACE_S)
         for handler in logging.getLogger().handlers + _log.logger.handlers:
             handler.flush()
         os._exit(1)
 
-    thread = threading.Thread(target=run, name="neps_bcast-leader-watch", daemon=True)
-    thread.start()
-    return thread
+    def release(self, store: dist.Store) -> None:
+        """Follower leaving: end the watch before the interpreter exits."""
+        self._released.set()
+        try:
+            store.set(released_key(self.group_rank), b"1")
+        except Exception:  # noqa: BLE001, S110 - the leader is gone: the wait ended already
+            pass
+        self.thread.join(timeout=5.0)
