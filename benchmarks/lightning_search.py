@@ -68,7 +68,7 @@ def evaluate_pipeline(lr: float, hidden: int) -> float:
         "t_enter": time.clock_gettime(time.CLOCK_REALTIME),
     }
     if RANK == 0:
-        from neps.runtime import get_in_progress_trial  # noqa: PLC0415
+        from neps.runtime import get_in_progress_trial
 
         trial = get_in_progress_trial()
         record.update(trial=trial.id, t_started=trial.metadata.time_started)
@@ -85,7 +85,7 @@ def evaluate_pipeline(lr: float, hidden: int) -> float:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    import neps_bcast  # noqa: PLC0415
+    import neps_bcast
 
     ctx = neps_bcast.session() if SYSTEM == "ours" else contextlib.nullcontext()
     with ctx:
@@ -120,7 +120,7 @@ def main() -> None:
         optimizer="random_search",
     )
     if args.system == "ours":
-        import neps_bcast  # noqa: PLC0415
+        import neps_bcast
 
         neps_bcast.run(evaluate_pipeline, **kwargs)
     else:

@@ -58,7 +58,7 @@ def evaluate_pipeline(x: float, payload: str = "") -> float:
     t_enter = now()
     record: dict[str, object] = {"rank": RANK, "x": x, "t_enter": t_enter, "payload": len(payload)}
     if RANK == 0:
-        from neps.runtime import get_in_progress_trial  # noqa: PLC0415
+        from neps.runtime import get_in_progress_trial
 
         trial = get_in_progress_trial()
         record.update(trial=trial.id, t_started=trial.metadata.time_started)
@@ -110,7 +110,7 @@ def main() -> None:
         optimizer=ARGS.optimizer,
     )
     if ARGS.system == "ours":
-        import neps_bcast  # noqa: PLC0415
+        import neps_bcast
 
         neps_bcast.run(evaluate_pipeline, **kwargs)
     else:

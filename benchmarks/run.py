@@ -145,7 +145,7 @@ def neps_successes(root: Path) -> int:
     csv = root / "summary" / "full.csv"
     if not csv.exists():
         return 0
-    import pandas as pd  # noqa: PLC0415
+    import pandas as pd
 
     return int((pd.read_csv(csv)["state"] == "success").sum())
 
@@ -488,7 +488,7 @@ def fx(v: float | None) -> str:
 
 
 def machine() -> dict[str, str]:
-    import importlib.metadata as md  # noqa: PLC0415
+    import importlib.metadata as md
 
     model = ""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -730,10 +730,10 @@ Errors seen in the Lightning runs:
 
 # ----------------------------------------------------------------------------- plots
 def plots(s: dict[str, Any], raw: dict[str, Any]) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     ax = axes[0]

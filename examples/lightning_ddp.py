@@ -59,14 +59,25 @@ class Space(neps.PipelineSpace):
 DEVICES = int(os.environ.get("DEMO_DEVICES", "2"))
 
 
-def evaluate_pipeline(lr: float, hidden: int, activation: str, epochs: int,
-                      pipeline_directory: Path,
-                      previous_pipeline_directory: Path | None) -> dict[str, float]:
+def evaluate_pipeline(
+    lr: float,
+    hidden: int,
+    activation: str,
+    epochs: int,
+    pipeline_directory: Path,
+    previous_pipeline_directory: Path | None,
+) -> dict[str, float]:
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=DEVICES, strategy="ddp", max_epochs=epochs,
-        default_root_dir=pipeline_directory, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=DEVICES,
+        strategy="ddp",
+        max_epochs=epochs,
+        default_root_dir=pipeline_directory,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     # Multi-fidelity: a promoted trial continues from the checkpoint that its lower
     # fidelity saved, on every rank alike.
@@ -79,8 +90,10 @@ def evaluate_pipeline(lr: float, hidden: int, activation: str, epochs: int,
             ckpt_path=previous if previous is not None and previous.exists() else None,
         )
         trainer.save_checkpoint(pipeline_directory / "last.ckpt")  # rank 0 writes
-    return {"objective_to_minimize": float(trainer.callback_metrics["val_loss"].item()),
-            "cost": float(epochs)}
+    return {
+        "objective_to_minimize": float(trainer.callback_metrics["val_loss"].item()),
+        "cost": float(epochs),
+    }
 
 
 def main() -> None:
@@ -110,8 +123,15 @@ def print_results(root: Path) -> None:
     import pandas as pd
 
     full = pd.read_csv(root / "summary" / "full.csv")
-    wanted = ["id", "objective_to_minimize", "config.lr", "config.hidden",
-              "config.activation", "config.epochs", "state"]
+    wanted = [
+        "id",
+        "objective_to_minimize",
+        "config.lr",
+        "config.hidden",
+        "config.activation",
+        "config.epochs",
+        "state",
+    ]
     columns = [c for c in wanted if c in full.columns]
     table = full[columns].sort_values("objective_to_minimize")
     print(f"\nNePS results ({len(full)} trials, best first), from {root}/summary/full.csv:")

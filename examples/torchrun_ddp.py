@@ -57,9 +57,16 @@ def data(seed: int) -> DataLoader:
 
 
 def evaluate_pipeline(lr: float, hidden: int) -> float:
-    trainer = L.Trainer(devices=ARGS.devices, num_nodes=ARGS.num_nodes, strategy="ddp",
-                        max_epochs=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        devices=ARGS.devices,
+        num_nodes=ARGS.num_nodes,
+        strategy="ddp",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with neps_bcast.session():
         trainer.fit(Regressor(lr, hidden), data(0), data(1))
     return float(trainer.callback_metrics["val_loss"].item())
@@ -74,8 +81,13 @@ def main() -> None:
     parser.parse_args(namespace=ARGS)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning").setLevel(logging.WARNING)
-    neps_bcast.run(evaluate_pipeline, pipeline_space=Space(), root_directory=ARGS.root,
-                   total_evaluations_to_spend=ARGS.trials, optimizer="random_search")
+    neps_bcast.run(
+        evaluate_pipeline,
+        pipeline_space=Space(),
+        root_directory=ARGS.root,
+        total_evaluations_to_spend=ARGS.trials,
+        optimizer="random_search",
+    )
 
 
 if __name__ == "__main__":

@@ -23,13 +23,26 @@ SCRIPTS = Path(__file__).parent / "scripts"
 SEARCH = SCRIPTS / "search.py"
 PYTHON = sys.executable
 
-_SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+_SCRUB = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+)
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _SCRUB and not k.startswith(("SLURM_", "NEPS_BCAST_", "NB_", "PYTEST_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _SCRUB and not k.startswith(("SLURM_", "NEPS_BCAST_", "NB_", "PYTEST_"))
+    }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.update(extra)
     return env
@@ -44,7 +57,7 @@ def session_pids(sid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         # fields[0] is the state, fields[3] the session id; zombies are gone already.
         if int(fields[3]) == sid and fields[0] != "Z":
             pids.append(int(entry.name))
@@ -73,13 +86,27 @@ class Launch:
         return "\n".join(self.log.splitlines()[-n:])
 
 
-def launch(cmd: list[str], *, log_path: Path, env: dict[str, str], cwd: Path,
-           timeout: float = 240.0, linger: float = 15.0) -> Launch:
+def launch(
+    cmd: list[str],
+    *,
+    log_path: Path,
+    env: dict[str, str],
+    cwd: Path,
+    timeout: float = 240.0,
+    linger: float = 15.0,
+) -> Launch:
     """Run one launch to the end; fail with every log tail if it overruns ``timeout``."""
     start = time.monotonic()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -98,8 +125,9 @@ def launch(cmd: list[str], *, log_path: Path, env: dict[str, str], cwd: Path,
     gone_at = time.time()
     if left:
         kill_session(proc.pid)
-    return Launch(proc.returncode, log_path.read_text(errors="replace"), left, seconds, proc,
-                  gone_at)
+    return Launch(
+        proc.returncode, log_path.read_text(errors="replace"), left, seconds, proc, gone_at
+    )
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:
@@ -129,6 +157,8 @@ def neps_trials(root: Path) -> dict[str, Any]:
 
 def assert_clean_launch(result: Launch, *, expect_rc: int = 0) -> None:
     assert result.returncode == expect_rc, (
-        f"exit code {result.returncode} (want {expect_rc}); log tail:\n{result.tail()}")
+        f"exit code {result.returncode} (want {expect_rc}); log tail:\n{result.tail()}"
+    )
     assert not result.left_alive, (
-        f"processes {result.left_alive} still alive after the launch; log tail:\n{result.tail()}")
+        f"processes {result.left_alive} still alive after the launch; log tail:\n{result.tail()}"
+    )

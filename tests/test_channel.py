@@ -42,9 +42,16 @@ def _blob(n: int, seed: int) -> bytes:
 # -- what each child runs (module level: spawn pickles them by name) -----------------
 
 
-def _child(scenario: str, rank: int, size: int, ports: Any, results: Any, release: Any,
-           extra: dict[str, Any]) -> None:
-    from neps_bcast.channel import (  # noqa: PLC0415 - in the child
+def _child(
+    scenario: str,
+    rank: int,
+    size: int,
+    ports: Any,
+    results: Any,
+    release: Any,
+    extra: dict[str, Any],
+) -> None:
+    from neps_bcast.channel import (
         GlooChannel,
         connect_store,
         serve_store,
@@ -67,9 +74,16 @@ def _child(scenario: str, rank: int, size: int, ports: Any, results: Any, releas
         raise
 
 
-def _round_trips(rank: int, size: int, store: Any, results: Any, release: Any,
-                 join_timeout: datetime.timedelta, gloo_channel: Any) -> None:
-    from neps_bcast.channel import ChannelClosedError  # noqa: PLC0415 - in the child
+def _round_trips(
+    rank: int,
+    size: int,
+    store: Any,
+    results: Any,
+    release: Any,
+    join_timeout: datetime.timedelta,
+    gloo_channel: Any,
+) -> None:
+    from neps_bcast.channel import ChannelClosedError
 
     channel = gloo_channel.join(store, rank, size, generation=0, join_timeout=join_timeout)
     assert (channel.group_rank, channel.world_size) == (rank, size)
@@ -92,8 +106,12 @@ def _round_trips(rank: int, size: int, store: Any, results: Any, release: Any,
     for i in range(5):
         got = channel.broadcast(f"round {i}".encode() if rank == 0 else None)
         seen.append(("round", got.decode()))
-        seen.append(("round-gather", [d.decode() for d in
-                                      channel.allgather(f"rank {rank} round {i}".encode())]))
+        seen.append(
+            (
+                "round-gather",
+                [d.decode() for d in channel.allgather(f"rank {rank} round {i}".encode())],
+            )
+        )
     if rank == 0:
         results.send((rank, "ready", seen))
         # The test SIGKILLs this process while it waits here.
@@ -113,22 +131,32 @@ def _round_trips(rank: int, size: int, store: Any, results: Any, release: Any,
 
 def _expected_round_trips(size: int) -> list[Any]:
     seen: list[Any] = [
-        ("broadcast", _digest(p))
-        for p in (b"", b"x", b"small payload \x00\xff", _blob(MB, seed=1))
+        ("broadcast", _digest(p)) for p in (b"", b"x", b"small payload \x00\xff", _blob(MB, seed=1))
     ]
     seen.append(("allgather", [_digest(_blob(1000 * r, seed=r)) for r in range(size)]))
     seen.append(("allgather", [_digest(b"")] * size))
-    seen.append(("allgather", [_digest(_blob(MB if r == size - 1 else 7, seed=10 + r))
-                               for r in range(size)]))
+    seen.append(
+        (
+            "allgather",
+            [_digest(_blob(MB if r == size - 1 else 7, seed=10 + r)) for r in range(size)],
+        )
+    )
     for i in range(5):
         seen.append(("round", f"round {i}"))
         seen.append(("round-gather", [f"rank {r} round {i}" for r in range(size)]))
     return seen
 
 
-def _partial_join(rank: int, size: int, store: Any, results: Any, release: Any,
-                  join_timeout: datetime.timedelta, gloo_channel: Any) -> None:
-    from neps_bcast.channel import JoinTimeoutError  # noqa: PLC0415 - in the child
+def _partial_join(
+    rank: int,
+    size: int,
+    store: Any,
+    results: Any,
+    release: Any,
+    join_timeout: datetime.timedelta,
+    gloo_channel: Any,
+) -> None:
+    from neps_bcast.channel import JoinTimeoutError
 
     # Ranks 0 and 1 start their join clocks together (imports under load can differ by
     # seconds): rank 1 says it is here through a key of the test's own.
@@ -157,8 +185,9 @@ SCENARIOS: dict[str, Callable[..., None]] = {
 
 
 @contextmanager
-def group(scenario: str, size: int, *, start: int | None = None,
-          **extra: Any) -> Iterator[tuple[list[Any], list[Any], Any]]:
+def group(
+    scenario: str, size: int, *, start: int | None = None, **extra: Any
+) -> Iterator[tuple[list[Any], list[Any], Any]]:
     """Start ``start`` (default ``size``) ranks of a ``size``-rank channel; always reap them.
 
     Each rank reports on a pipe of its own: a process SIGKILLed while it holds a shared
@@ -171,9 +200,12 @@ def group(scenario: str, size: int, *, start: int | None = None,
     n = size if start is None else start
     pipes = [CTX.Pipe(duplex=False) for _ in range(n)]
     procs = [
-        CTX.Process(target=_child,
-                    args=(scenario, rank, size, ports, pipes[rank][1], release, extra),
-                    name=f"channel-rank-{rank}", daemon=True)
+        CTX.Process(
+            target=_child,
+            args=(scenario, rank, size, ports, pipes[rank][1], release, extra),
+            name=f"channel-rank-{rank}",
+            daemon=True,
+        )
         for rank in range(n)
     ]
     try:
@@ -203,15 +235,18 @@ def collect(readers: list[Any], ranks: list[int]) -> dict[int, tuple[str, Any]]:
     while pending:
         ready = mp_connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
-            raise AssertionError(f"ranks {sorted(pending.values())} did not answer within"
-                                 f" {WAIT} s (got {got}); see the captured stderr")
+            raise AssertionError(
+                f"ranks {sorted(pending.values())} did not answer within"
+                f" {WAIT} s (got {got}); see the captured stderr"
+            )
         for reader in ready:
             rank = pending.pop(reader)
             try:
                 sender, kind, data = reader.recv()
             except EOFError:
-                raise AssertionError(f"rank {rank} exited without answering (got {got});"
-                                     " see the captured stderr") from None
+                raise AssertionError(
+                    f"rank {rank} exited without answering (got {got}); see the captured stderr"
+                ) from None
             assert sender == rank
             assert kind != "error", f"rank {rank} failed: {data}"
             got[rank] = (kind, data)

@@ -43,12 +43,16 @@ def torchrun(nproc: int, *extra: str) -> list[str]:
     return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *extra, str(SEARCH)]
 
 
-def run_one(tmp_path: Path, cmd: list[str], name: str = "launch", *, cwd: Path | None = None,
-            **env: str) -> tuple[Launch, Path, list[dict[str, Any]]]:
+def run_one(
+    tmp_path: Path, cmd: list[str], name: str = "launch", *, cwd: Path | None = None, **env: str
+) -> tuple[Launch, Path, list[dict[str, Any]]]:
     root, rec = tmp_path / f"{name}_root", tmp_path / f"{name}_rec"
-    result = launch(cmd, log_path=tmp_path / f"{name}.log",
-                    env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env),
-                    cwd=cwd or tmp_path)
+    result = launch(
+        cmd,
+        log_path=tmp_path / f"{name}.log",
+        env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env),
+        cwd=cwd or tmp_path,
+    )
     return result, root, read_records(rec)
 
 
@@ -75,8 +79,9 @@ def run_together(*jobs: dict[str, Any]) -> list[Launch]:
     return results
 
 
-def assert_group_followed_its_leader(events: list[dict[str, Any]], world: int, log: str,
-                                     trials: int | None = None) -> list[str]:
+def assert_group_followed_its_leader(
+    events: list[dict[str, Any]], world: int, log: str, trials: int | None = None
+) -> list[str]:
     """Every rank evaluated exactly the leader's trials, with the same arguments, in order."""
     by_rank = trials_by_rank(events)
     assert sorted(by_rank) == list(range(world)), log[-3000:]
@@ -97,14 +102,16 @@ def assert_group_followed_its_leader(events: list[dict[str, Any]], world: int, l
 def assert_neps_recorded(root: Path, trial_ids: list[str]) -> None:
     recorded = neps_trials(root)
     assert sorted(recorded) == sorted(trial_ids)
-    assert all(t.report is not None and t.report.reported_as == "success"
-               for t in recorded.values())
+    assert all(
+        t.report is not None and t.report.reported_as == "success" for t in recorded.values()
+    )
 
 
 @pytest.mark.parametrize(("nproc", "trials"), [(2, 4), (4, 3)])
 def test_torchrun_lightning_reuses_the_group(tmp_path: Path, nproc: int, trials: int) -> None:
-    result, root, events = run_one(tmp_path, torchrun(nproc), NB_DEVICES=str(nproc),
-                                   NB_TRIALS=str(trials), NB_EXTRA_ARGS="1")
+    result, root, events = run_one(
+        tmp_path, torchrun(nproc), NB_DEVICES=str(nproc), NB_TRIALS=str(trials), NB_EXTRA_ARGS="1"
+    )
     assert_clean_launch(result)
     ids = assert_group_followed_its_leader(events, nproc, result.log, trials)
     assert_neps_recorded(root, ids)
@@ -136,12 +143,19 @@ def test_two_nodes_followers_need_no_neps_root(tmp_path: Path) -> None:
     jobs = []
     for i, node in enumerate(nodes):
         node.mkdir()
-        cmd = [TORCHRUN, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nb{port}", str(SEARCH)]
-        env = base_env(NB_ROOT="results", NB_RECORD=str(rec), NB_STRATEGY="plain_ddp",
-                       NB_TRIALS="3")
-        jobs.append({"cmd": cmd, "log_path": tmp_path / f"node{i}.log", "env": env,
-                     "cwd": node})
+        cmd = [
+            TORCHRUN,
+            "--nnodes=2",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=nb{port}",
+            str(SEARCH),
+        ]
+        env = base_env(
+            NB_ROOT="results", NB_RECORD=str(rec), NB_STRATEGY="plain_ddp", NB_TRIALS="3"
+        )
+        jobs.append({"cmd": cmd, "log_path": tmp_path / f"node{i}.log", "env": env, "cwd": node})
     results = run_together(*jobs)
     for r in results:
         assert_clean_launch(r)
@@ -158,8 +172,9 @@ def test_two_nodes_followers_need_no_neps_root(tmp_path: Path) -> None:
 
 def test_simulated_slurm_without_torchrun(tmp_path: Path) -> None:
     cmd = [PYTHON, str(FAKE_SRUN), "--ntasks", "2", "--", PYTHON, str(SEARCH)]
-    result, root, events = run_one(tmp_path, cmd, NB_TRIALS="3", MASTER_ADDR="127.0.0.1",
-                                   MASTER_PORT=str(free_port()))
+    result, root, events = run_one(
+        tmp_path, cmd, NB_TRIALS="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
     assert_clean_launch(result)
     ids = assert_group_followed_its_leader(events, 2, result.log, 3)
     assert_neps_recorded(root, ids)
@@ -176,17 +191,24 @@ def test_two_groups_start_together_on_one_root(tmp_path: Path) -> None:
     jobs = []
     for name, other, seed in (("a", "b", "1"), ("b", "a", "2")):
         # NB_MEET: each group's first trial waits for the other's, so they overlap.
-        env = base_env(NB_ROOT=str(root), NB_RECORD=str(tmp_path / f"rec_{name}"),
-                       NB_STRATEGY="plain_ddp", NB_TRIALS="6", PYTHONHASHSEED=seed,
-                       NB_MEET=f"{tmp_path}:{name}:{other}")
-        jobs.append({"cmd": torchrun(2), "log_path": tmp_path / f"{name}.log", "env": env,
-                     "cwd": tmp_path})
+        env = base_env(
+            NB_ROOT=str(root),
+            NB_RECORD=str(tmp_path / f"rec_{name}"),
+            NB_STRATEGY="plain_ddp",
+            NB_TRIALS="6",
+            PYTHONHASHSEED=seed,
+            NB_MEET=f"{tmp_path}:{name}:{other}",
+        )
+        jobs.append(
+            {"cmd": torchrun(2), "log_path": tmp_path / f"{name}.log", "env": env, "cwd": tmp_path}
+        )
     results = run_together(*jobs)
     ids: list[str] = []
     for r, name in zip(results, "ab", strict=True):
         assert_clean_launch(r)
-        group_ids = assert_group_followed_its_leader(read_records(tmp_path / f"rec_{name}"), 2,
-                                                     r.log)
+        group_ids = assert_group_followed_its_leader(
+            read_records(tmp_path / f"rec_{name}"), 2, r.log
+        )
         assert group_ids, f"group {name} evaluated nothing"
         ids += group_ids
     assert len(ids) == len(set(ids)), "a trial was evaluated by both groups"
@@ -201,8 +223,10 @@ JOIN = {"NEPS_BCAST_JOIN_TIMEOUT_S": "15"}
 def test_a_rank_that_never_calls_run_is_named(tmp_path: Path) -> None:
     result, root, _ = run_one(tmp_path, torchrun(2), NB_BAD="skip_run:rank=1", **JOIN)
     assert_clean_launch(result, expect_rc=1)
-    assert ("[neps_bcast rank 0/2 leader] rank 1 of 2 did not call neps_bcast.run within"
-            " 15 s; expected ranks 0..1, observed only 0. HINT:") in result.log
+    assert (
+        "[neps_bcast rank 0/2 leader] rank 1 of 2 did not call neps_bcast.run within"
+        " 15 s; expected ranks 0..1, observed only 0. HINT:"
+    ) in result.log
     assert not root.exists()
 
 
@@ -210,9 +234,11 @@ def test_ranks_with_different_arguments_fail_on_every_rank(tmp_path: Path) -> No
     result, root, _ = run_one(tmp_path, torchrun(2), NB_BAD="root+space:rank=1", **JOIN)
     assert_clean_launch(result, expect_rc=1)
     for tag in ("rank 0/2 leader", "rank 1/2 follower"):
-        line = next(line for line in result.log.splitlines()
-                    if f"[neps_bcast {tag}] the ranks called neps_bcast.run with different"
-                    in line)
+        line = next(
+            line
+            for line in result.log.splitlines()
+            if f"[neps_bcast {tag}] the ranks called neps_bcast.run with different" in line
+        )
         assert "expected the same pipeline_space, root_directory on all 2 ranks" in line
         assert f"root_directory: rank 0: '{root}', rank 1: '{root}_elsewhere'" in line
         assert "pipeline_space: rank 0: Basic(" in line
@@ -226,8 +252,10 @@ def test_trainer_devices_inconsistent_with_the_world_size(tmp_path: Path) -> Non
     rank; the trial fails on every rank and the search ends, bounded, nothing left."""
     result, root, events = run_one(tmp_path, torchrun(2), NB_DEVICES="4", NB_TRIALS="3")
     assert_clean_launch(result, expect_rc=1)
-    assert ("You set `devices=4` and `num_nodes=1` in Lightning, but the product (4 * 1)"
-            " does not match the world size (2)") in result.log
+    assert (
+        "You set `devices=4` and `num_nodes=1` in Lightning, but the product (4 * 1)"
+        " does not match the world size (2)"
+    ) in result.log
     assert re.search(r"trial 1 failed on ranks (0, 1|1, 0): rank", result.log)
     exits = {e["proc_rank"]: e for e in events if e["event"] == "exit"}
     assert not exits[0]["ok"]

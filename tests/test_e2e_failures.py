@@ -33,11 +33,16 @@ BOUND_S = 60.0
 """No wait involved may be a timeout: every failure is handled within this bound."""
 
 
-def run(tmp_path: Path, name: str = "run", cmd: list[str] | None = None,
-        **env: str) -> tuple[Launch, Path, list[dict[str, Any]]]:
+def run(
+    tmp_path: Path, name: str = "run", cmd: list[str] | None = None, **env: str
+) -> tuple[Launch, Path, list[dict[str, Any]]]:
     root, rec = tmp_path / "root", tmp_path / "rec"
-    result = launch(cmd or [PYTHON, str(SEARCH)], log_path=tmp_path / f"{name}.log",
-                    env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env), cwd=tmp_path)
+    result = launch(
+        cmd or [PYTHON, str(SEARCH)],
+        log_path=tmp_path / f"{name}.log",
+        env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env),
+        cwd=tmp_path,
+    )
     return result, root, read_records(rec)
 
 
@@ -48,9 +53,14 @@ def state(trial: Any) -> str:
 
 def reports(root: Path) -> dict[int, tuple[str, str, str]]:
     """trial number -> (state, reported_as, error text) as NePS recorded it."""
-    return {int(tid): (state(t), t.report.reported_as if t.report else "",
-                       str(t.report.err) if t.report and t.report.err else "")
-            for tid, t in neps_trials(root).items()}
+    return {
+        int(tid): (
+            state(t),
+            t.report.reported_as if t.report else "",
+            str(t.report.err) if t.report and t.report.err else "",
+        )
+        for tid, t in neps_trials(root).items()
+    }
 
 
 def faults(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -66,8 +76,7 @@ def assert_identical_on_all_ranks(events: list[dict[str, Any]], world: int) -> l
     by_rank = trials_by_rank(events)
     assert sorted(by_rank) == list(range(world))
     for rank in range(1, world):
-        assert json.dumps(by_rank[rank], sort_keys=True) == json.dumps(by_rank[0],
-                                                                       sort_keys=True)
+        assert json.dumps(by_rank[rank], sort_keys=True) == json.dumps(by_rank[0], sort_keys=True)
     return [tid for tid, _ in by_rank[0]]
 
 
@@ -77,10 +86,15 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
     raises after fit; 5 the Trainer asks for 3 devices; 6 follower raises before its
     session; 7 an argument cannot be pickled; 8 ok."""
     result, root, events = run(
-        tmp_path, NB_TRIALS="8", NB_IGNORE_ERRORS="1", NB_SPACE="unpicklable",
-        NB_UNPICKLABLE_SEQS="7", NB_DEVICES_AT="5:3",
+        tmp_path,
+        NB_TRIALS="8",
+        NB_IGNORE_ERRORS="1",
+        NB_SPACE="unpicklable",
+        NB_UNPICKLABLE_SEQS="7",
+        NB_DEVICES_AT="5:3",
         NB_FAULT="raise:rank=1:seq=2:where=fit,raise:rank=0:seq=3:where=before,"
-                 "raise:rank=all:seq=4:where=after,raise:rank=1:seq=6:where=before")
+        "raise:rank=all:seq=4:where=after,raise:rank=1:seq=6:where=before",
+    )
     assert_clean_launch(result)
     recorded = reports(root)
     assert sorted(recorded) == list(range(1, 9)), result.tail()
@@ -91,15 +105,21 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
     text = {n: recorded[n][2] for n in recorded}
 
     # 2: the follower's error, with its traceback; the leader's own error is secondary.
-    assert ("trial 2 failed on rank 1: rank 1: ValueError: injected failure on rank 1 at fit."
-            " Caused by it: rank 0: RuntimeError:") in text[2]
+    assert (
+        "trial 2 failed on rank 1: rank 1: ValueError: injected failure on rank 1 at fit."
+        " Caused by it: rank 0: RuntimeError:"
+    ) in text[2]
     assert "--- traceback of rank 1 (pid " in text[2]
     assert 'raise ValueError(f"injected failure on rank' in text[2]
     # 3 and 6: a rank raised before its session; the other's session names it.
-    assert "trial 3 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at before" \
+    assert (
+        "trial 3 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at before"
         in text[3]
-    assert "trial 6 failed on rank 1: rank 1: ValueError: injected failure on rank 1 at before" \
+    )
+    assert (
+        "trial 6 failed on rank 1: rank 1: ValueError: injected failure on rank 1 at before"
         in text[6]
+    )
     # 4: the same error on every rank: recorded once, listing the ranks.
     assert re.search(r"trial 4 failed on ranks (0, 1|1, 0): ", text[4])
     head = text[4].splitlines()[0]
@@ -110,12 +130,15 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
     assert text[4].count("--- traceback of rank 1") == 1
     # 5: a Trainer whose devices differ from the group is refused before training.
     assert re.search(r"trial 5 failed on ranks (0, 1|1, 0): ", text[5])
-    assert ("ProtocolError: [neps_bcast rank 1/2 follower] the Trainer plans 3 processes"
-            " (devices=3 x num_nodes=1), but the DDP group it would train on has 2 ranks"
-            ) in text[5]
+    assert (
+        "ProtocolError: [neps_bcast rank 1/2 follower] the Trainer plans 3 processes"
+        " (devices=3 x num_nodes=1), but the DDP group it would train on has 2 ranks"
+    ) in text[5]
     # 7: the argument that cannot be sent is named; no follower ever saw the trial.
-    assert ("[neps_bcast rank 0/2 leader] cannot send argument 'tool' (lock) to the other"
-            " ranks: TypeError: cannot pickle '_thread.lock' object. HINT:") in text[7]
+    assert (
+        "[neps_bcast rank 0/2 leader] cannot send argument 'tool' (lock) to the other"
+        " ranks: TypeError: cannot pickle '_thread.lock' object. HINT:"
+    ) in text[7]
 
     # Every rank's session raised, naming the failing rank and its error (a rank that
     # failed before its session raised its own error).
@@ -128,8 +151,7 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
                 assert f"{e['type']}: {e['text']}" == own
             else:
                 assert e["type"] == "TrialFailedError", e
-                assert (f"trial {seq} failed on rank {failing}: rank {failing}: {own}"
-                        in e["text"])
+                assert f"trial {seq} failed on rank {failing}: rank {failing}: {own}" in e["text"]
     for seq in (4, 5):
         assert sorted(raised(events, seq)) == [0, 1]
 
@@ -148,15 +170,16 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
 
 def test_neps_default_stops_the_search_after_recording_the_trial(tmp_path: Path) -> None:
     """ignore_errors=False (NePS's default): the leader raises in fit in trial 2."""
-    result, root, events = run(tmp_path, NB_TRIALS="4",
-                               NB_FAULT="raise:rank=0:seq=2:where=fit")
+    result, root, events = run(tmp_path, NB_TRIALS="4", NB_FAULT="raise:rank=0:seq=2:where=fit")
     assert_clean_launch(result, expect_rc=1)
     recorded = reports(root)
     assert sorted(recorded) == [1, 2]
     assert recorded[1][:2] == ("success", "success")
     assert recorded[2][:2] == ("crashed", "crashed")
-    assert "trial 2 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at fit" \
+    assert (
+        "trial 2 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at fit"
         in recorded[2][2]
+    )
     exits = {e["proc_rank"]: e for e in events if e["event"] == "exit"}
     assert not exits[0]["ok"]
     assert "WorkerRaiseError" in exits[0]["error"]
@@ -172,8 +195,13 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
 
     ignore_errors=True: with NePS's default, NePS itself refuses to continue a root
     that holds any crashed trial (OnErrorPossibilities.RAISE_ANY_ERROR)."""
-    result, root, events = run(tmp_path, "first", NB_TRIALS="4", NB_IGNORE_ERRORS="1",
-                               NB_FAULT="kill:rank=1:seq=2:where=fit")
+    result, root, events = run(
+        tmp_path,
+        "first",
+        NB_TRIALS="4",
+        NB_IGNORE_ERRORS="1",
+        NB_FAULT="kill:rank=1:seq=2:where=fit",
+    )
     assert_clean_launch(result, expect_rc=1)
     recorded = reports(root)
     assert sorted(recorded) == [1, 2]
@@ -181,8 +209,9 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
     assert re.search(r"rank 1 lost: signal 9 \(SIGKILL\) \(pid \d+\)", recorded[2][2])
     exits = [e for e in events if e["event"] == "exit"]
     assert [e["proc_rank"] for e in exits] == [0]
-    assert exits[0]["error"].startswith("FollowerLostError: [neps_bcast rank 0/2 leader]"
-                                        " rank 1 lost: signal 9 (SIGKILL)")
+    assert exits[0]["error"].startswith(
+        "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: signal 9 (SIGKILL)"
+    )
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
 
     again, _, events = run(tmp_path, "again", NB_TRIALS="4", NB_IGNORE_ERRORS="1")
@@ -190,14 +219,23 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
     recorded = reports(root)
     assert sorted(recorded) == [1, 2, 3, 4]
     assert {n: r[0] for n, r in recorded.items()} == {
-        1: "success", 2: "crashed", 3: "success", 4: "success"}
+        1: "success",
+        2: "crashed",
+        3: "success",
+        4: "success",
+    }
     second = [e for e in events if e["event"] == "trial" and e["t"] > result.gone_at]
     assert sorted({(e["trial_id"], e["rank"]) for e in second}) == [
-        ("3", 0), ("3", 1), ("4", 0), ("4", 1)]
+        ("3", 0),
+        ("3", 1),
+        ("4", 0),
+        ("4", 1),
+    ]
 
 
-@pytest.mark.parametrize("when", ["fit", "between_trials", "children_starting",
-                                  "children_in_rendezvous"])
+@pytest.mark.parametrize(
+    "when", ["fit", "between_trials", "children_starting", "children_in_rendezvous"]
+)
 def test_leader_killed_every_follower_exits_naming_it(tmp_path: Path, when: str) -> None:
     fault = {
         "fit": "kill:rank=0:seq=2:where=fit",
@@ -215,9 +253,12 @@ def test_leader_killed_every_follower_exits_naming_it(tmp_path: Path, when: str)
     assert len(starts) == 2, "the follower never started: the test did not test"
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
     follower = "[neps_bcast rank 1/"
-    lost = [line for line in result.log.splitlines()
-            if (follower in line and "lost the leader (rank 0)" in line)
-            or (follower in line and "cannot reach the leader's store" in line)]
+    lost = [
+        line
+        for line in result.log.splitlines()
+        if (follower in line and "lost the leader (rank 0)" in line)
+        or (follower in line and "cannot reach the leader's store" in line)
+    ]
     assert lost, result.tail()
     exits = [e for e in events if e["event"] == "exit"]
     if when == "children_in_rendezvous":
@@ -231,13 +272,16 @@ def test_leader_killed_every_follower_exits_naming_it(tmp_path: Path, when: str)
 
 @pytest.mark.parametrize("signal_name", ["term_all", "term_follower", "int_leader", "ctrl_c"])
 def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
-        tmp_path: Path, signal_name: str) -> None:
-    fault = {"term_all": "term_all:rank=all:seq=2:where=fit",  # SLURM preemption
-             # One rank only: Lightning's own SIGTERM handler would broadcast on the
-             # group from inside the handler and hang every rank.
-             "term_follower": "term_all:rank=1:seq=2:where=fit",
-             "int_leader": "int:rank=0:seq=2:where=fit",
-             "ctrl_c": "int_group:rank=0:seq=2:where=fit"}[signal_name]  # whole group
+    tmp_path: Path, signal_name: str
+) -> None:
+    fault = {
+        "term_all": "term_all:rank=all:seq=2:where=fit",  # SLURM preemption
+        # One rank only: Lightning's own SIGTERM handler would broadcast on the
+        # group from inside the handler and hang every rank.
+        "term_follower": "term_all:rank=1:seq=2:where=fit",
+        "int_leader": "int:rank=0:seq=2:where=fit",
+        "ctrl_c": "int_group:rank=0:seq=2:where=fit",
+    }[signal_name]  # whole group
     result, root, events = run(tmp_path, NB_TRIALS="4", NB_FAULT=fault)
     assert result.returncode == (143 if signal_name == "term_all" else 1), result.tail()
     assert not result.left_alive, result.tail()
@@ -261,17 +305,31 @@ def test_torchrun_user_destroys_the_group_and_errors_recover(tmp_path: Path) -> 
     session in trial 4."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", str(SEARCH)]
     result, root, events = run(
-        tmp_path, cmd=cmd, NB_STRATEGY="plain_ddp", NB_TRIALS="6", NB_IGNORE_ERRORS="1",
+        tmp_path,
+        cmd=cmd,
+        NB_STRATEGY="plain_ddp",
+        NB_TRIALS="6",
+        NB_IGNORE_ERRORS="1",
         NB_DESTROY_GROUP="1",
-        NB_FAULT="raise:rank=1:seq=3:where=fit,raise:rank=0:seq=4:where=session")
+        NB_FAULT="raise:rank=1:seq=3:where=fit,raise:rank=0:seq=4:where=session",
+    )
     assert_clean_launch(result)
     recorded = reports(root)
     assert {n: r[0] for n, r in recorded.items()} == {
-        1: "success", 2: "success", 3: "crashed", 4: "crashed", 5: "success", 6: "success"}
-    assert "trial 3 failed on rank 1: rank 1: ValueError: injected failure on rank 1 at fit" \
+        1: "success",
+        2: "success",
+        3: "crashed",
+        4: "crashed",
+        5: "success",
+        6: "success",
+    }
+    assert (
+        "trial 3 failed on rank 1: rank 1: ValueError: injected failure on rank 1 at fit"
         in recorded[3][2]
-    assert ("trial 4 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at"
-            " session") in recorded[4][2]
+    )
+    assert (
+        "trial 4 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at session"
+    ) in recorded[4][2]
     assert assert_identical_on_all_ranks(events, 2) == ["1", "2", "3", "4", "5", "6"]
     trained = [e for e in events if e["event"] == "trained"]
     assert len(trained) == 2 * 4

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from harness import (
     PYTHON,
     SEARCH,
@@ -22,15 +23,20 @@ BASIC_KEYS = ("lr", "hidden", "activation")
 
 def run_search(tmp_path: Path, **env: str):  # type: ignore[no-untyped-def]
     root, rec = tmp_path / "root", tmp_path / "rec"
-    result = launch([PYTHON, str(SEARCH)], log_path=tmp_path / "launch.log",
-                    env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env), cwd=tmp_path)
+    result = launch(
+        [PYTHON, str(SEARCH)],
+        log_path=tmp_path / "launch.log",
+        env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env),
+        cwd=tmp_path,
+    )
     return result, root, read_records(rec)
 
 
 @pytest.mark.parametrize("devices", [2, 3])
 def test_every_rank_evaluates_the_leaders_trials(tmp_path: Path, devices: int) -> None:
-    result, root, events = run_search(tmp_path, NB_DEVICES=str(devices), NB_TRIALS="5",
-                                      NB_EXTRA_ARGS="1")
+    result, root, events = run_search(
+        tmp_path, NB_DEVICES=str(devices), NB_TRIALS="5", NB_EXTRA_ARGS="1"
+    )
     assert_clean_launch(result)
 
     by_rank = trials_by_rank(events)
@@ -71,8 +77,9 @@ def test_every_rank_evaluates_the_leaders_trials(tmp_path: Path, devices: int) -
 
 
 def test_multi_fidelity_continues_from_the_previous_checkpoint(tmp_path: Path) -> None:
-    result, root, events = run_search(tmp_path, NB_SPACE="fidelity", NB_OPTIMIZER="hyperband",
-                                      NB_TRIALS="6")
+    result, root, events = run_search(
+        tmp_path, NB_SPACE="fidelity", NB_OPTIMIZER="hyperband", NB_TRIALS="6"
+    )
     assert_clean_launch(result)
     by_rank = trials_by_rank(events)
     assert sorted(by_rank) == [0, 1]
@@ -84,11 +91,14 @@ def test_multi_fidelity_continues_from_the_previous_checkpoint(tmp_path: Path) -
     recorded = neps_trials(root)
     for e in promoted:
         trial = recorded[e["trial_id"]]
-        assert Path(e["previous_pipeline_directory"]) == Path(trial.metadata.previous_trial_location)
+        assert Path(e["previous_pipeline_directory"]) == Path(
+            trial.metadata.previous_trial_location
+        )
         assert e["kwargs"]["epochs"] > 1
     assert "Restored all states from the checkpoint" in result.log
-    assert all(t.report is not None and t.report.reported_as == "success"
-               for t in recorded.values())
+    assert all(
+        t.report is not None and t.report.reported_as == "success" for t in recorded.values()
+    )
 
 
 def test_single_process_behaves_like_neps_run(tmp_path: Path) -> None:
@@ -101,7 +111,8 @@ def test_single_process_behaves_like_neps_run(tmp_path: Path) -> None:
     assert sorted(recorded) == sorted(e["trial_id"] for e in trials)
     for e in trials:
         assert recorded[e["trial_id"]].report.objective_to_minimize == pytest.approx(
-            e["kwargs"]["lr"])
+            e["kwargs"]["lr"]
+        )
     assert "neps_bcast rank 1" not in result.log
 
 

@@ -56,8 +56,9 @@ def test_format_message_without_hint_has_no_hint() -> None:
         (2, 3, "neps_bcast rank 2/3 follower"),
     ],
 )
-def test_identity_tag_names_rank_size_and_role(group_rank: int, world_size: int | None,
-                                               tag: str) -> None:
+def test_identity_tag_names_rank_size_and_role(
+    group_rank: int, world_size: int | None, tag: str
+) -> None:
     identity = Identity(group_rank, world_size)
     assert identity.tag == tag
     assert identity.is_leader is (group_rank == 0)

@@ -11,28 +11,63 @@ from neps_bcast.rendezvous import fingerprint
 
 
 def test_torchrun_environment_is_external() -> None:
-    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
-           "GROUP_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "1234"}
+    env = {
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "1234",
+    }
     launch = detect(env)
-    assert (launch.kind, launch.launcher, launch.global_rank, launch.world_size,
-            launch.local_rank, launch.node_rank) == ("external", "torchelastic", 3, 4, 1, 1)
+    assert (
+        launch.kind,
+        launch.launcher,
+        launch.global_rank,
+        launch.world_size,
+        launch.local_rank,
+        launch.node_rank,
+    ) == ("external", "torchelastic", 3, 4, 1, 1)
     assert (launch.main_address, launch.main_port) == ("node0", 1234)
 
 
 def test_slurm_environment_is_external() -> None:
-    env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
-           "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "hpo",
-           "SLURM_NODELIST": "localhost", "MASTER_PORT": "4321"}
+    env = {
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NAME": "hpo",
+        "SLURM_NODELIST": "localhost",
+        "MASTER_PORT": "4321",
+    }
     launch = detect(env)
-    assert (launch.kind, launch.launcher, launch.global_rank, launch.world_size,
-            launch.node_rank) == ("external", "slurm", 2, 4, 1)
+    assert (
+        launch.kind,
+        launch.launcher,
+        launch.global_rank,
+        launch.world_size,
+        launch.node_rank,
+    ) == ("external", "slurm", 2, 4, 1)
     assert launch.main_port == 4321
 
 
 def test_torchrun_inside_slurm_is_torchrun() -> None:
-    env = {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_JOB_NAME": "hpo",
-           "SLURM_NODELIST": "localhost", "TORCHELASTIC_RUN_ID": "x", "RANK": "1",
-           "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "a", "MASTER_PORT": "1"}
+    env = {
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_JOB_NAME": "hpo",
+        "SLURM_NODELIST": "localhost",
+        "TORCHELASTIC_RUN_ID": "x",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "a",
+        "MASTER_PORT": "1",
+    }
     assert detect(env).launcher == "torchelastic"
 
 

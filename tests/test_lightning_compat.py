@@ -39,8 +39,9 @@ def test_installing_twice_keeps_one_wrapper() -> None:
 
 
 def test_lightnings_sigterm_handler_is_wrapped_once() -> None:
-    original = getattr(_SignalConnector._sigterm_notifier_fn, "__wrapped__",
-                       _SignalConnector._sigterm_notifier_fn)
+    original = getattr(
+        _SignalConnector._sigterm_notifier_fn, "__wrapped__", _SignalConnector._sigterm_notifier_fn
+    )
     assert callable(original)
     _lightning_compat.sigterm_without_broadcast(lambda: True)
     _lightning_compat.sigterm_without_broadcast(lambda: True)

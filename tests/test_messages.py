@@ -26,9 +26,13 @@ TAG = "neps_bcast rank 0/2 leader"
 
 
 def _trial(**kwargs: object) -> TrialMessage:
-    return TrialMessage(seq=3, trial_id="17_rung_1", kwargs=dict(kwargs),
-                        pipeline_directory=Path("/tmp/root/configs/config_17_rung_1"),
-                        previous_pipeline_directory=Path("/tmp/root/configs/config_17_rung_0"))
+    return TrialMessage(
+        seq=3,
+        trial_id="17_rung_1",
+        kwargs=dict(kwargs),
+        pipeline_directory=Path("/tmp/root/configs/config_17_rung_1"),
+        previous_pipeline_directory=Path("/tmp/root/configs/config_17_rung_0"),
+    )
 
 
 def _roundtrip(message: object) -> object:
@@ -41,10 +45,15 @@ def _roundtrip(message: object) -> object:
 
 
 def test_trial_message_round_trip_keeps_paths_and_nested_values() -> None:
-    message = _trial(lr=0.01, hidden=8, activation="relu",
-                     nested={"a": [1, 2, {"b": (3.5, None)}], "path": Path("x/y")},
-                     pipeline_directory=Path("/tmp/root/configs/config_17_rung_1"),
-                     previous_pipeline_directory=None, pipeline_id="17_rung_1")
+    message = _trial(
+        lr=0.01,
+        hidden=8,
+        activation="relu",
+        nested={"a": [1, 2, {"b": (3.5, None)}], "path": Path("x/y")},
+        pipeline_directory=Path("/tmp/root/configs/config_17_rung_1"),
+        previous_pipeline_directory=None,
+        pipeline_id="17_rung_1",
+    )
     back = _roundtrip(message)
     assert back == message
     assert isinstance(back, TrialMessage)
@@ -64,8 +73,9 @@ def test_trial_message_round_trip_with_a_1mb_argument() -> None:
 
 
 def test_trial_message_without_directories_round_trips() -> None:
-    message = TrialMessage(seq=1, trial_id="1", kwargs={}, pipeline_directory=None,
-                           previous_pipeline_directory=None)
+    message = TrialMessage(
+        seq=1, trial_id="1", kwargs={}, pipeline_directory=None, previous_pipeline_directory=None
+    )
     assert _roundtrip(message) == message
 
 
@@ -85,8 +95,14 @@ def _record_of(exc_type: type[BaseException], text: str, group_rank: int = 1) ->
 
 def test_report_with_error_record_round_trips_with_its_phase() -> None:
     record = _record_of(ValueError, "boom")
-    report = Report(group_rank=1, phase=Phase.SESSION_EXIT, seq=2, trial_id="5",
-                    error=record, extra={"nested": {"k": [1, 2]}})
+    report = Report(
+        group_rank=1,
+        phase=Phase.SESSION_EXIT,
+        seq=2,
+        trial_id="5",
+        error=record,
+        extra={"nested": {"k": [1, 2]}},
+    )
     back = _roundtrip(report)
     assert back == report
     assert isinstance(back, Report)
@@ -216,10 +232,15 @@ def test_is_secondary_rejects_a_failure_of_its_own() -> None:
 
 
 def _record(group_rank: int, timestamp: float, *, secondary: bool, message: str) -> ErrorRecord:
-    return ErrorRecord(group_rank=group_rank, type_name="RuntimeError" if secondary else
-                       "ValueError", message=message,
-                       traceback=f"Traceback of rank {group_rank}\n", timestamp=timestamp,
-                       pid=100 + group_rank, secondary=secondary)
+    return ErrorRecord(
+        group_rank=group_rank,
+        type_name="RuntimeError" if secondary else "ValueError",
+        message=message,
+        traceback=f"Traceback of rank {group_rank}\n",
+        timestamp=timestamp,
+        pid=100 + group_rank,
+        secondary=secondary,
+    )
 
 
 def test_sort_records_puts_root_causes_first_earliest_first() -> None:
@@ -235,8 +256,10 @@ def test_failure_text_names_the_failing_ranks_and_then_the_consequences() -> Non
     late = _record(2, 5.0, secondary=False, message="late failure")
     text = runtime.failure_text(runtime.sort_records([peer, late, early]), "9")
     head = text.splitlines()[0]
-    assert head.startswith("trial 9 failed on ranks 1, 2: rank 1: ValueError: early failure;"
-                           " rank 2: ValueError: late failure.")
+    assert head.startswith(
+        "trial 9 failed on ranks 1, 2: rank 1: ValueError: early failure;"
+        " rank 2: ValueError: late failure."
+    )
     assert "Caused by it: rank 0: RuntimeError: Connection closed by peer" in head
     assert head.index("rank 1:") < head.index("rank 2:") < head.index("Caused by it")
     # Tracebacks of the root causes only.

@@ -37,7 +37,8 @@ def recorded(root: Path) -> dict[str, Any]:
 def test_get_in_progress_trial_exists_and_refuses_outside_an_evaluation() -> None:
     assert callable(getattr(neps.runtime, "get_in_progress_trial", None)), (
         "neps.runtime.get_in_progress_trial is gone: _neps_compat.current_trial needs a"
-        " new way to learn the trial NePS is evaluating")
+        " new way to learn the trial NePS is evaluating"
+    )
     with pytest.raises(RuntimeError):
         current_trial()
 
@@ -50,17 +51,33 @@ def test_neps_injects_exactly_the_arguments_the_signature_names(tmp_path: Path) 
     seen: list[dict[str, Any]] = []
     during: list[_neps_compat.NepsTrialInfo] = []
 
-    def wants_all(lr: float, hidden: int, pipeline_directory: Path,
-                  previous_pipeline_directory: Path | None, pipeline_id: str) -> float:
-        seen.append(dict(lr=lr, hidden=hidden, pipeline_directory=pipeline_directory,
-                         previous_pipeline_directory=previous_pipeline_directory,
-                         pipeline_id=pipeline_id))
+    def wants_all(
+        lr: float,
+        hidden: int,
+        pipeline_directory: Path,
+        previous_pipeline_directory: Path | None,
+        pipeline_id: str,
+    ) -> float:
+        seen.append(
+            dict(
+                lr=lr,
+                hidden=hidden,
+                pipeline_directory=pipeline_directory,
+                previous_pipeline_directory=previous_pipeline_directory,
+                pipeline_id=pipeline_id,
+            )
+        )
         during.append(current_trial())
         return lr
 
     root = tmp_path / "all"
-    neps.run(wants_all, Space(), root_directory=root, total_evaluations_to_spend=2,
-             optimizer="random_search")
+    neps.run(
+        wants_all,
+        Space(),
+        root_directory=root,
+        total_evaluations_to_spend=2,
+        optimizer="random_search",
+    )
     trials = recorded(root)
     assert len(seen) == 2
     assert sorted(trials) == sorted(kw["pipeline_id"] for kw in seen)
@@ -87,30 +104,60 @@ def test_neps_injects_nothing_the_signature_does_not_name(tmp_path: Path) -> Non
         seen.append(dict(config))
         return float(config["lr"])
 
-    neps.run(wants_one, Space(), root_directory=tmp_path / "one",
-             total_evaluations_to_spend=1, optimizer="random_search")
-    neps.run(wants_none, Space(), root_directory=tmp_path / "none",
-             total_evaluations_to_spend=1, optimizer="random_search")
+    neps.run(
+        wants_one,
+        Space(),
+        root_directory=tmp_path / "one",
+        total_evaluations_to_spend=1,
+        optimizer="random_search",
+    )
+    neps.run(
+        wants_none,
+        Space(),
+        root_directory=tmp_path / "none",
+        total_evaluations_to_spend=1,
+        optimizer="random_search",
+    )
     assert [set(kw) for kw in seen] == [{"lr", "hidden", "pipeline_id"}, {"lr", "hidden"}]
     for root in (tmp_path / "one", tmp_path / "none"):
-        assert all(t.report is not None and t.report.reported_as == "success"
-                   for t in recorded(root).values())
+        assert all(
+            t.report is not None and t.report.reported_as == "success"
+            for t in recorded(root).values()
+        )
 
 
 def test_previous_pipeline_directory_is_the_previous_rung_location(tmp_path: Path) -> None:
     seen: list[tuple[dict[str, Any], _neps_compat.NepsTrialInfo]] = []
 
-    def evaluate(lr: float, epochs: int, pipeline_directory: Path,
-                 previous_pipeline_directory: Path | None, pipeline_id: str) -> float:
-        seen.append((dict(epochs=epochs, pipeline_directory=pipeline_directory,
-                          previous_pipeline_directory=previous_pipeline_directory,
-                          pipeline_id=pipeline_id), current_trial()))
+    def evaluate(
+        lr: float,
+        epochs: int,
+        pipeline_directory: Path,
+        previous_pipeline_directory: Path | None,
+        pipeline_id: str,
+    ) -> float:
+        seen.append(
+            (
+                dict(
+                    epochs=epochs,
+                    pipeline_directory=pipeline_directory,
+                    previous_pipeline_directory=previous_pipeline_directory,
+                    pipeline_id=pipeline_id,
+                ),
+                current_trial(),
+            )
+        )
         return lr
 
     root = tmp_path / "sh"
     # eta=3 on [1, 3]: three trials at rung 0, then the best one continues at rung 1.
-    neps.run(evaluate, FidelitySpace(), root_directory=root, total_evaluations_to_spend=4,
-             optimizer="successive_halving")
+    neps.run(
+        evaluate,
+        FidelitySpace(),
+        root_directory=root,
+        total_evaluations_to_spend=4,
+        optimizer="successive_halving",
+    )
     trials = recorded(root)
     continued = [(kw, info) for kw, info in seen if kw["previous_pipeline_directory"]]
     assert continued, f"no trial continued from an earlier rung: {seen}"

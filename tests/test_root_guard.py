@@ -22,8 +22,15 @@ neps.run(evaluate, Basic(), root_directory=sys.argv[1], total_evaluations_to_spe
 
 
 def run(cmd: list[str], tmp_path: Path, seed: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, cwd=tmp_path, env=base_env(PYTHONHASHSEED=seed, **env),
-                          capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env=base_env(PYTHONHASHSEED=seed, **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_second_worker_with_another_hash_seed(tmp_path: Path) -> None:

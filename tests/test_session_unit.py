@@ -36,8 +36,17 @@ from neps_bcast.follower import follow
 from neps_bcast.launch import ENV_FIRST_SEQ, ENV_LEADER, Launch
 from neps_bcast.messages import Phase, Report, StopMessage, TrialMessage, decode
 
-LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-               "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 class Space(neps.PipelineSpace):
@@ -70,10 +79,21 @@ def test_session_outside_run_raises_a_clear_error() -> None:
 
 
 def test_session_between_trials_raises_a_clear_error() -> None:
-    rt = runtime.Runtime(Launch(kind="single", launcher="none", global_rank=0,
-                                world_size=None, local_rank=0, node_rank=0))
-    with rt.activated(), pytest.raises(SessionError, match="between trials") as info, \
-            neps_bcast.session():
+    rt = runtime.Runtime(
+        Launch(
+            kind="single",
+            launcher="none",
+            global_rank=0,
+            world_size=None,
+            local_rank=0,
+            node_rank=0,
+        )
+    )
+    with (
+        rt.activated(),
+        pytest.raises(SessionError, match="between trials") as info,
+        neps_bcast.session(),
+    ):
         pytest.fail("the block must not run")
     assert "HINT:" in str(info.value)
 
@@ -85,18 +105,32 @@ def test_session_between_trials_raises_a_clear_error() -> None:
 def test_single_process_trial_fields_match_what_neps_records(tmp_path: Path) -> None:
     seen: list[tuple[neps_bcast.Trial, dict[str, Any]]] = []
 
-    def evaluate(lr: float, hidden: int, pipeline_directory: Path,
-                 previous_pipeline_directory: Path | None, pipeline_id: str) -> float:
-        kwargs = dict(lr=lr, hidden=hidden, pipeline_directory=pipeline_directory,
-                      previous_pipeline_directory=previous_pipeline_directory,
-                      pipeline_id=pipeline_id)
+    def evaluate(
+        lr: float,
+        hidden: int,
+        pipeline_directory: Path,
+        previous_pipeline_directory: Path | None,
+        pipeline_id: str,
+    ) -> float:
+        kwargs = dict(
+            lr=lr,
+            hidden=hidden,
+            pipeline_directory=pipeline_directory,
+            previous_pipeline_directory=previous_pipeline_directory,
+            pipeline_id=pipeline_id,
+        )
         with neps_bcast.session() as trial:
             seen.append((trial, kwargs))
         return lr
 
     root = tmp_path / "root"
-    neps_bcast.run(evaluate, pipeline_space=Space(), root_directory=root,
-                   optimizer="random_search", total_evaluations_to_spend=2)
+    neps_bcast.run(
+        evaluate,
+        pipeline_space=Space(),
+        root_directory=root,
+        optimizer="random_search",
+        total_evaluations_to_spend=2,
+    )
 
     trials = recorded(root)
     assert len(seen) == 2
@@ -135,9 +169,14 @@ def test_nested_session_is_recorded_by_neps_as_crashed(tmp_path: Path) -> None:
         return lr
 
     root = tmp_path / "root"
-    neps_bcast.run(evaluate, pipeline_space=Space(), root_directory=root,
-                   optimizer="random_search", total_evaluations_to_spend=2,
-                   ignore_errors=True)
+    neps_bcast.run(
+        evaluate,
+        pipeline_space=Space(),
+        root_directory=root,
+        optimizer="random_search",
+        total_evaluations_to_spend=2,
+        ignore_errors=True,
+    )
 
     assert inner_ran == []
     trials = recorded(root)
@@ -219,8 +258,11 @@ class FakeGroup:
             self._cond.notify_all()
 
     def messages(self, rank: int, kind: str) -> list[Any]:
-        return [decode(p, tag="test") for r, k, p in self.ops
-                if r == rank and k == kind and p not in (b"bye",) and p is not None]
+        return [
+            decode(p, tag="test")
+            for r, k, p in self.ops
+            if r == rank and k == kind and p not in (b"bye",) and p is not None
+        ]
 
     def phases(self, rank: int) -> list[str]:
         """The reports one rank contributed, in order."""
@@ -293,16 +335,26 @@ def make_runtimes(size: int) -> tuple[FakeGroup, list[runtime.Runtime]]:
     group = FakeGroup(size)
     rts = []
     for rank in range(size):
-        rt = runtime.Runtime(Launch(kind="external", launcher="env", global_rank=rank,
-                                    world_size=size, local_rank=rank, node_rank=0,
-                                    main_address="127.0.0.1", main_port=1))
+        rt = runtime.Runtime(
+            Launch(
+                kind="external",
+                launcher="env",
+                global_rank=rank,
+                world_size=size,
+                local_rank=rank,
+                node_rank=0,
+                main_address="127.0.0.1",
+                main_port=1,
+            )
+        )
         rt.channel = FakeChannel(group, rank)
         rts.append(rt)
     return group, rts
 
 
-def on_ranks(rts: list[runtime.Runtime],
-             bodies: list[Callable[[runtime.Runtime], Any]]) -> list[Any]:
+def on_ranks(
+    rts: list[runtime.Runtime], bodies: list[Callable[[runtime.Runtime], Any]]
+) -> list[Any]:
     """Run ``bodies[r](rts[r])`` in one thread per rank; a result or the exception each."""
 
     def run(rt: runtime.Runtime, body: Callable[[runtime.Runtime], Any]) -> Any:
@@ -321,8 +373,9 @@ def on_ranks(rts: list[runtime.Runtime],
     return outcomes
 
 
-def lead(plan: list[dict[str, Any]], fn: Callable[..., Any]
-         ) -> Callable[[runtime.Runtime], list[Any]]:
+def lead(
+    plan: list[dict[str, Any]], fn: Callable[..., Any]
+) -> Callable[[runtime.Runtime], list[Any]]:
     """The leader's side of a search: each trial as neps.run would call it, then STOP."""
 
     def body(rt: runtime.Runtime) -> list[Any]:
@@ -343,11 +396,13 @@ def following(fn: Callable[..., Any]) -> Callable[[runtime.Runtime], None]:
 
 
 @pytest.mark.usefixtures("per_thread_runtime")
-def test_fake_group_follower_evaluates_the_leaders_trials_until_stop(
-        trial_ids: list[str]) -> None:
+def test_fake_group_follower_evaluates_the_leaders_trials_until_stop(trial_ids: list[str]) -> None:
     group, rts = make_runtimes(2)
-    plan = [dict(lr=0.1, hidden=2, pipeline_id="1"), dict(lr=0.2, hidden=4, pipeline_id="2"),
-            dict(lr=0.3, hidden=8, pipeline_id="3")]
+    plan = [
+        dict(lr=0.1, hidden=2, pipeline_id="1"),
+        dict(lr=0.2, hidden=4, pipeline_id="2"),
+        dict(lr=0.3, hidden=8, pipeline_id="3"),
+    ]
     trial_ids.extend(kw["pipeline_id"] for kw in plan)
     seen: list[tuple[neps_bcast.Trial, dict[str, Any]]] = []
     lock = threading.Lock()
@@ -390,8 +445,13 @@ def test_fake_group_mismatched_trial_ids_raise_on_every_rank() -> None:
 
     def holding(trial_id: str) -> Callable[[runtime.Runtime], Any]:
         # What leader and follower do with a trial, but each rank holds its own.
-        msg = TrialMessage(seq=1, trial_id=trial_id, kwargs={"lr": 0.1},
-                           pipeline_directory=None, previous_pipeline_directory=None)
+        msg = TrialMessage(
+            seq=1,
+            trial_id=trial_id,
+            kwargs={"lr": 0.1},
+            pipeline_directory=None,
+            previous_pipeline_directory=None,
+        )
 
         def body(rt: runtime.Runtime) -> Any:
             with rt.running(msg) as ctx:
@@ -421,8 +481,7 @@ def test_fake_group_mismatched_trial_ids_raise_on_every_rank() -> None:
 
 
 @pytest.mark.usefixtures("per_thread_runtime")
-def test_fake_group_ranks_at_different_phases_raise_protocol_error(
-        trial_ids: list[str]) -> None:
+def test_fake_group_ranks_at_different_phases_raise_protocol_error(trial_ids: list[str]) -> None:
     # Trial 7: the user's function opens session() on the leader only, so the leader
     # reaches session-enter while the follower returns and reaches trial-end.
     # Trial 8: every rank uses session(): the group must still work.
@@ -476,8 +535,11 @@ def test_fake_group_error_on_one_rank_reaches_the_leader(trial_ids: list[str]) -
                 raise ValueError("follower fails trial 2")
         return float(kwargs["lr"])
 
-    plan = [dict(lr=0.1, pipeline_id="1"), dict(lr=0.2, pipeline_id="2"),
-            dict(lr=0.3, pipeline_id="3")]
+    plan = [
+        dict(lr=0.1, pipeline_id="1"),
+        dict(lr=0.2, pipeline_id="2"),
+        dict(lr=0.3, pipeline_id="3"),
+    ]
     results, followed = on_ranks(rts, [lead(plan, evaluate), following(evaluate)])
     group.assert_sane()
     assert results[0] == 0.1

@@ -7,6 +7,6 @@ import logging
 logger = logging.getLogger("neps_bcast")
 
 
-def log(level: int, tag: str, message: str, *args: object) -> None:
+def log(level: int, tag: str, message: str, *args: object, exc_info: bool = False) -> None:
     if logger.isEnabledFor(level):
-        logger.log(level, f"[{tag}] {message}", *args)
+        logger.log(level, f"[{tag}] {message}", *args, exc_info=exc_info)

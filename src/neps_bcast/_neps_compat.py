@@ -28,8 +28,8 @@ def current_trial() -> NepsTrialInfo:
     from neps.runtime import get_in_progress_trial  # private to NePS's runtime module
 
     trial = get_in_progress_trial()
-    location = trial.metadata.location
-    previous = trial.metadata.previous_trial_location
+    location = trial.metadata.location  # type: ignore[attr-defined]
+    previous = trial.metadata.previous_trial_location  # type: ignore[attr-defined]
     return NepsTrialInfo(
         trial_id=str(trial.id),
         pipeline_directory=Path(location) if location else None,
@@ -48,7 +48,7 @@ a root holding none of them but existing makes NePS fail ("Failed to create or l
 
 def space_on_disk(root: Path) -> object | None:
     """The search space a NePS root holds (public ``neps.load_pipeline_space``), or None."""
-    import neps  # noqa: PLC0415 - importing NePS is slow; only leaders need it
+    import neps
 
     if not (root / "pipeline_space.pkl").exists():
         return None
@@ -61,10 +61,10 @@ def space_on_disk(root: Path) -> object | None:
 def classic_form(space: object) -> object | None:
     """The classic ``SearchSpace`` NePS converts a ``PipelineSpace`` into for classic
     optimizers (``convert_neps_to_classic_search_space``), or None if it does not."""
-    from neps.space.neps_spaces.neps_space import (  # noqa: PLC0415
+    from neps.space.neps_spaces.neps_space import (
         convert_neps_to_classic_search_space,
     )
-    from neps.space.neps_spaces.parameters import PipelineSpace  # noqa: PLC0415
+    from neps.space.neps_spaces.parameters import PipelineSpace
 
     if not isinstance(space, PipelineSpace):
         return None
@@ -83,8 +83,10 @@ def classic_parameters(space: object) -> dict[str, tuple[str, tuple[tuple[str, s
         fields = {k: v for k, v in vars(param).items() if k not in ("center", "domain")}
         if "choices" in fields:
             fields["choices"] = sorted(repr(c) for c in fields["choices"])
-        found[name] = (type(param).__qualname__,
-                       tuple(sorted((k, repr(v)) for k, v in fields.items())))
+        found[name] = (
+            type(param).__qualname__,
+            tuple(sorted((k, repr(v)) for k, v in fields.items())),
+        )
     return found
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _lightning_compat, _neps_compat, leader, rendezvous
+from neps_bcast import _dist, _lightning_compat, _neps_compat, leader, rendezvous
 from neps_bcast.errors import LaunchError, NepsBcastError, format_message
 from neps_bcast.follower import follow
 from neps_bcast.launch import Launch, detect
@@ -27,8 +27,9 @@ from neps_bcast.runtime import Runtime, active
 ENV_BACKEND = "NEPS_BCAST_BACKEND"
 
 
-def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
-        **kwargs: Any) -> None:
+def run(
+    evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None, **kwargs: Any
+) -> None:
     """Call on every rank with exactly the arguments of ``neps.run``.
 
     The leader (rank 0) runs ``neps.run``; every follower evaluates the trials its
@@ -65,8 +66,13 @@ def run(evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None,
                     dist.destroy_process_group()
 
 
-def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | str,
-          pipeline_space: Any, kwargs: dict[str, Any]) -> None:
+def _lead(
+    rt: Runtime,
+    fn: Callable[..., Any],
+    original: Callable[..., Any] | str,
+    pipeline_space: Any,
+    kwargs: dict[str, Any],
+) -> None:
     import neps
 
     root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT))
@@ -84,8 +90,7 @@ def _lead(rt: Runtime, fn: Callable[..., Any], original: Callable[..., Any] | st
         with _sigterm_raises():
             guard.acquire()
             try:
-                space = guard.prepare(pipeline_space,
-                                      bool(kwargs.get("overwrite_root_directory")))
+                space = guard.prepare(pipeline_space, bool(kwargs.get("overwrite_root_directory")))
                 neps.run(wrapped, space, **kwargs)
             finally:
                 guard.release()
@@ -179,23 +184,30 @@ def _start_external(rt: Runtime, mine: dict[str, str]) -> None:
     launch = rt.launch
     if dist.is_initialized():
         rt.observe_group()
-        store: dist.Store | None = None
+        store: _dist.Store | None = None
     else:
         if launch.main_address is None or launch.main_port is None:
             raise LaunchError(
-                format_message(rt.tag, f"{launch.launcher} launch without a rendezvous address.",
-                               "set MASTER_ADDR and MASTER_PORT for every rank.")
+                format_message(
+                    rt.tag,
+                    f"{launch.launcher} launch without a rendezvous address.",
+                    "set MASTER_ADDR and MASTER_PORT for every rank.",
+                )
             )
         assert launch.world_size is not None  # external launches always know it
         store = rendezvous.rendezvous_store(launch)
         meeting = rendezvous.meet(launch, store, mine)
         backend = _backend(launch)
         rt.log(logging.DEBUG, "forming the DDP group (%s)", backend)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"{meeting.prefix}/pg", store),
-                                rank=launch.global_rank, world_size=launch.world_size)
+        dist.init_process_group(
+            backend,
+            store=_dist.PrefixStore(f"{meeting.prefix}/pg", store),
+            rank=launch.global_rank,
+            world_size=launch.world_size,
+        )
         rt.owns_group = True
         rt.observe_group()
-        store = dist.PrefixStore(meeting.prefix, store)
+        store = _dist.PrefixStore(meeting.prefix, store)
     if store is not None:
         if rt.group_rank == 0:
             control = rt.serve()

@@ -21,15 +21,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from neps_bcast import _dist
+
 WAIT_TIMEOUT = datetime.timedelta(
     seconds=float(os.environ.get("NEPS_BCAST_WAIT_TIMEOUT_S", str(7 * 24 * 3600)))
 )
 """Last-resort bound on one blocking channel operation while every peer is alive."""
 CONNECT_TIMEOUT = float(os.environ.get("NEPS_BCAST_CONNECT_TIMEOUT_S", "30"))
 """Bound on reaching the leader's store (it is up before anyone is told its address)."""
-JOIN_TIMEOUT = datetime.timedelta(
-    seconds=float(os.environ.get("NEPS_BCAST_JOIN_TIMEOUT_S", "300"))
-)
+JOIN_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NEPS_BCAST_JOIN_TIMEOUT_S", "300")))
 """Bound on the ranks of a group meeting on the channel for the first time."""
 
 
@@ -62,14 +62,18 @@ class Channel(Protocol):
     def close(self) -> None: ...
 
 
-def serve_store(timeout: datetime.timedelta = WAIT_TIMEOUT) -> dist.TCPStore:
+def serve_store(timeout: datetime.timedelta = WAIT_TIMEOUT) -> _dist.TCPStore:
     """Start the leader's store on a port the OS picks (never a fixed port)."""
-    return dist.TCPStore(
-        "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timeout
+    return _dist.TCPStore(
+        "0.0.0.0",  # noqa: S104 - followers on other nodes connect here
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
     )
 
 
-def connect_store(address: str, timeout: datetime.timedelta = WAIT_TIMEOUT) -> dist.TCPStore:
+def connect_store(address: str, timeout: datetime.timedelta = WAIT_TIMEOUT) -> _dist.TCPStore:
     """Connect to the leader's store; fails at once when nothing listens there.
 
     The store is up before its address is handed out, so a refused connection means
@@ -78,7 +82,7 @@ def connect_store(address: str, timeout: datetime.timedelta = WAIT_TIMEOUT) -> d
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
         pass
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return _dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 
 
 class GlooChannel:
@@ -89,11 +93,17 @@ class GlooChannel:
         self._closed = False
 
     @classmethod
-    def join(cls, store: dist.Store, group_rank: int, world_size: int, generation: int,
-             join_timeout: datetime.timedelta = JOIN_TIMEOUT) -> GlooChannel:
+    def join(
+        cls,
+        store: _dist.Store,
+        group_rank: int,
+        world_size: int,
+        generation: int,
+        join_timeout: datetime.timedelta = JOIN_TIMEOUT,
+    ) -> GlooChannel:
         """Meet the other ranks on the channel of this generation (blocks until all came)."""
         prefix = f"neps_bcast/ctl/{generation}"
-        base = dist.PrefixStore(prefix, store)
+        base = _dist.PrefixStore(prefix, store)
         base.set(f"joined/{group_rank}", f"{socket.gethostname()}:{os.getpid()}")
         keys = [f"joined/{r}" for r in range(world_size)]
         try:
@@ -106,8 +116,9 @@ class GlooChannel:
                 raise ChannelClosedError(str(exc)) from exc
             missing = [r for r in range(world_size) if not base.check([f"joined/{r}"])]
             raise JoinTimeoutError(missing, join_timeout) from exc
-        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", base), group_rank, world_size,
-                                   WAIT_TIMEOUT)
+        pg = dist.ProcessGroupGloo(
+            _dist.PrefixStore("pg", base), group_rank, world_size, WAIT_TIMEOUT
+        )
         return cls(pg, group_rank, world_size)
 
     def _run(self, work: dist.Work) -> None:
@@ -120,27 +131,31 @@ class GlooChannel:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        self._run(self._pg.broadcast([size], opts))
+        self._run(self._pg.broadcast([size], opts))  # type: ignore[attr-defined]
         n = int(size.item())
         if payload is not None:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+            data = (
+                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
         else:
             data = torch.empty(n, dtype=torch.uint8)
         if n:
-            self._run(self._pg.broadcast([data], opts))
+            self._run(self._pg.broadcast([data], opts))  # type: ignore[attr-defined]
         return payload if payload is not None else data.numpy().tobytes()
 
     def allgather(self, payload: bytes) -> list[bytes]:
         size = torch.tensor([len(payload)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._run(self._pg.allgather([sizes], [size]))
+        self._run(self._pg.allgather([sizes], [size]))  # type: ignore[attr-defined]
         longest = max(int(s.item()) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
         if longest:
-            self._run(self._pg.allgather([outs], [mine]))
+            self._run(self._pg.allgather([outs], [mine]))  # type: ignore[attr-defined]
         return [o[: int(s.item())].numpy().tobytes() for o, s in zip(outs, sizes, strict=True)]
 
     def close(self) -> None:

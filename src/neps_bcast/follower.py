@@ -36,8 +36,12 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
                 raise
             failures = rt.end_trial(ctx, error)
         if failures:
-            rt.log(logging.INFO, "trial %s failed: %s", message.trial_id,
-                   "; ".join(f.headline() for f in failures))
+            rt.log(
+                logging.INFO,
+                "trial %s failed: %s",
+                message.trial_id,
+                "; ".join(f.headline() for f in failures),
+            )
         message = rt.receive()
     rt.stopping = True
     rt.log(logging.INFO, "stopping: %s", message.reason)

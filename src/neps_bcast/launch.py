@@ -73,11 +73,9 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
     if ENV_LEADER in env and local_rank >= 1 and "TORCHELASTIC_RUN_ID" not in env:
         return _lightning_child(env, local_rank)
 
-    from lightning.fabric.plugins.environments import (
-        LightningEnvironment,
-        SLURMEnvironment,
-        TorchElasticEnvironment,
-    )
+    from lightning.fabric.plugins.environments.lightning import LightningEnvironment
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    from lightning.fabric.plugins.environments.torchelastic import TorchElasticEnvironment
 
     cluster: TorchElasticEnvironment | SLURMEnvironment | LightningEnvironment | None = None
     launcher = "none"
@@ -93,12 +91,13 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
         elif all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
             cluster, launcher = LightningEnvironment(), "env"
         if cluster is not None:
-            world_size = (
-                _int_env("WORLD_SIZE", env) if launcher == "env" else cluster.world_size()
-            )
+            world_size = _int_env("WORLD_SIZE", env) if launcher == "env" else cluster.world_size()
             global_rank = _int_env("RANK", env) if launcher == "env" else cluster.global_rank()
             if launcher == "env":
-                cluster_local, node_rank = local_rank, _int_env("NODE_RANK", env) if "NODE_RANK" in env else 0
+                cluster_local, node_rank = (
+                    local_rank,
+                    _int_env("NODE_RANK", env) if "NODE_RANK" in env else 0,
+                )
             else:
                 cluster_local, node_rank = cluster.local_rank(), cluster.node_rank()
             address, port = cluster.main_address, cluster.main_port
@@ -149,8 +148,9 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
                 "launch several nodes with torchrun (--nnodes, c10d rendezvous) or srun.",
             )
         )
-    return Launch(kind="single", launcher=launcher, global_rank=0, world_size=None,
-                  local_rank=0, node_rank=0)
+    return Launch(
+        kind="single", launcher=launcher, global_rank=0, world_size=None, local_rank=0, node_rank=0
+    )
 
 
 def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:

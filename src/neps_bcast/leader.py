@@ -52,8 +52,9 @@ def wrap(rt: Runtime, fn: Callable[..., Any], root_directory: Path) -> Callable[
     return evaluate
 
 
-def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any],
-                      root_directory: Path) -> Any:
+def evaluate_on_group(
+    rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any], root_directory: Path
+) -> Any:
     info = _neps_compat.current_trial()
     rt.seq += 1
     message = TrialMessage(
@@ -83,9 +84,11 @@ def evaluate_on_group(rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any
                 rt.fail(ctx, exc)
             with contextlib.suppress(NepsBcastError):
                 rt.end_trial(ctx, exc)  # keeps the followers in step for the STOP
-            _neps_compat.record_crashed(info.trial_id, root_directory,
-                                        RuntimeError(f"interrupted: {type(exc).__name__}"
-                                                     f" {exc}".rstrip()))
+            _neps_compat.record_crashed(
+                info.trial_id,
+                root_directory,
+                RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
+            )
             rt.settled.set()
             raise
         try:

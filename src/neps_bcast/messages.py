@@ -56,11 +56,13 @@ class ErrorRecord:
     """True for an error caused by another rank's failure (a peer closed the group)."""
 
     @classmethod
-    def from_exception(cls, group_rank: int, exc: BaseException, *, pid: int,
-                       secondary: bool = False) -> ErrorRecord:
+    def from_exception(
+        cls, group_rank: int, exc: BaseException, *, pid: int, secondary: bool = False
+    ) -> ErrorRecord:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(group_rank, type(exc).__name__, str(exc), tb, time.time(), pid=pid,
-                   secondary=secondary)
+        return cls(
+            group_rank, type(exc).__name__, str(exc), tb, time.time(), pid=pid, secondary=secondary
+        )
 
     def headline(self) -> str:
         return f"rank {self.group_rank}: {self.type_name}: {self.message}"
@@ -89,7 +91,7 @@ def encode(message: Message, *, tag: str) -> bytes:
             for name, value in message.kwargs.items():
                 try:
                     pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:
+                except Exception:  # noqa: BLE001 - find the culprit
                     culprit = f" argument {name!r} ({type(value).__qualname__})"
                     break
         raise MessageError(

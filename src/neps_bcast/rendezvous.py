@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from neps_bcast import _dist
 from neps_bcast.channel import JOIN_TIMEOUT
 from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.launch import Launch
@@ -48,7 +49,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 class Meeting:
     """What the ranks learned when they met."""
 
-    store: dist.Store
+    store: _dist.Store
     """The launcher's rendezvous store (client or, on rank 0 outside torchrun, server)."""
     prefix: str
     """Key prefix of this launch attempt on that store."""
@@ -71,13 +72,17 @@ def _describe(value: Any) -> str:
     if isinstance(value, list | tuple):
         return f"{type(value).__name__}({', '.join(_describe(v) for v in value)})"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_describe(v)}" for k, v in sorted(value.items(),
-                                                                            key=str)) + "}"
+        return (
+            "{"
+            + ", ".join(f"{k!r}: {_describe(v)}" for k, v in sorted(value.items(), key=str))
+            + "}"
+        )
     return _ADDRESS.sub("", repr(value))
 
 
-def fingerprint(evaluate_pipeline: Any, pipeline_space: Any,
-                kwargs: dict[str, Any]) -> dict[str, str]:
+def fingerprint(
+    evaluate_pipeline: Any, pipeline_space: Any, kwargs: dict[str, Any]
+) -> dict[str, str]:
     """What every rank of one group must agree on, as comparable text."""
     found = {
         "evaluate_pipeline": _describe(evaluate_pipeline),
@@ -89,58 +94,91 @@ def fingerprint(evaluate_pipeline: Any, pipeline_space: Any,
     return found
 
 
-def rendezvous_store(launch: Launch, timeout: datetime.timedelta = JOIN_TIMEOUT) -> dist.Store:
+def rendezvous_store(launch: Launch, timeout: datetime.timedelta = JOIN_TIMEOUT) -> _dist.Store:
     """The store every rank of this launch can reach (see the module docstring)."""
     assert launch.main_address is not None
     assert launch.main_port is not None
     use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_server = launch.global_rank == 0 and not use_agent_store
     try:
-        return dist.TCPStore(launch.main_address, launch.main_port, is_master=is_server,
-                             wait_for_workers=False, timeout=timeout)
+        return _dist.TCPStore(
+            launch.main_address,
+            launch.main_port,
+            is_master=is_server,
+            wait_for_workers=False,
+            timeout=timeout,
+        )
     except Exception as exc:
         seconds = timeout.total_seconds()
         if is_server:
-            what = (f"cannot serve the rendezvous store at {launch.main_address}:"
-                    f"{launch.main_port}: {type(exc).__name__}: {exc}.")
-            hint = ("pick a free MASTER_PORT (another job may be using this one) and an"
-                    " address of this node for MASTER_ADDR.")
+            what = (
+                f"cannot serve the rendezvous store at {launch.main_address}:"
+                f"{launch.main_port}: {type(exc).__name__}: {exc}."
+            )
+            hint = (
+                "pick a free MASTER_PORT (another job may be using this one) and an"
+                " address of this node for MASTER_ADDR."
+            )
         else:
             owner = "torchrun's agent" if use_agent_store else "rank 0"
-            what = (f"cannot reach the rendezvous store of {owner} at {launch.main_address}:"
-                    f"{launch.main_port} within {seconds:.0f} s; expected {owner} to serve it,"
-                    f" observed {type(exc).__name__}: {exc}.")
-            hint = ("check that rank 0 was started and calls neps_bcast.run, and that"
-                    " MASTER_ADDR/MASTER_PORT name rank 0's node and a port it can open"
-                    f" (bound: NEPS_BCAST_JOIN_TIMEOUT_S={seconds:.0f}).")
+            what = (
+                f"cannot reach the rendezvous store of {owner} at {launch.main_address}:"
+                f"{launch.main_port} within {seconds:.0f} s; expected {owner} to serve it,"
+                f" observed {type(exc).__name__}: {exc}."
+            )
+            hint = (
+                "check that rank 0 was started and calls neps_bcast.run, and that"
+                " MASTER_ADDR/MASTER_PORT name rank 0's node and a port it can open"
+                f" (bound: NEPS_BCAST_JOIN_TIMEOUT_S={seconds:.0f})."
+            )
         raise LaunchError(format_message(_tag(launch), what, hint)) from exc
 
 
-def meet(launch: Launch, store: dist.Store, mine: dict[str, str],
-         timeout: datetime.timedelta = JOIN_TIMEOUT) -> Meeting:
+def meet(
+    launch: Launch,
+    store: _dist.Store,
+    mine: dict[str, str],
+    timeout: datetime.timedelta = JOIN_TIMEOUT,
+) -> Meeting:
     """Check in, wait (bounded) for every rank, and compare fingerprints."""
     assert launch.world_size is not None
     world = launch.world_size
-    attempt = "/".join((os.environ.get("TORCHELASTIC_RUN_ID", "none"),
-                        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    attempt = "/".join(
+        (
+            os.environ.get("TORCHELASTIC_RUN_ID", "none"),
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        )
+    )
     prefix = f"neps_bcast/meet/{attempt}"
-    base = dist.PrefixStore(prefix, store)
+    base = _dist.PrefixStore(prefix, store)
     base.set(f"in/{launch.global_rank}", json.dumps({"pid": os.getpid(), **mine}))
-    _wait_all(launch, base, "in", timeout, failure="did not call neps_bcast.run",
-              hint="call neps_bcast.run on every rank (the same script and arguments"
-              " everywhere), before any other torch.distributed call.")
+    _wait_all(
+        launch,
+        base,
+        "in",
+        timeout,
+        failure="did not call neps_bcast.run",
+        hint="call neps_bcast.run on every rank (the same script and arguments"
+        " everywhere), before any other torch.distributed call.",
+    )
     raw = [json.loads(base.get(f"in/{r}")) for r in range(world)]
     # Everyone has read every fingerprint before anyone may raise and leave: rank 0
     # may be the store's server.
     base.set(f"read/{launch.global_rank}", "1")
-    _wait_all(launch, base, "read", timeout,
-              failure="left during the startup check", hint="see the log of the ranks named.")
+    _wait_all(
+        launch,
+        base,
+        "read",
+        timeout,
+        failure="left during the startup check",
+        hint="see the log of the ranks named.",
+    )
     names = sorted({name for r in raw for name in r} - {"pid"})
     differ = [name for name in names if len({r.get(name, "<missing>") for r in raw}) > 1]
     if differ:
         lines = "; ".join(
-            f"{name}: " + ", ".join(f"rank {r}: {raw[r].get(name, '<missing>')}"
-                                    for r in range(world))
+            f"{name}: "
+            + ", ".join(f"rank {r}: {raw[r].get(name, '<missing>')}" for r in range(world))
             for name in differ
         )
         raise LaunchError(
@@ -156,8 +194,15 @@ def meet(launch: Launch, store: dist.Store, mine: dict[str, str],
     return Meeting(store, prefix)
 
 
-def _wait_all(launch: Launch, base: dist.Store, what: str, timeout: datetime.timedelta, *,
-              failure: str, hint: str) -> None:
+def _wait_all(
+    launch: Launch,
+    base: _dist.Store,
+    what: str,
+    timeout: datetime.timedelta,
+    *,
+    failure: str,
+    hint: str,
+) -> None:
     assert launch.world_size is not None
     keys = [f"{what}/{r}" for r in range(launch.world_size)]
     try:
@@ -186,8 +231,7 @@ def _lost(launch: Launch, exc: BaseException) -> LaunchError:
     return LaunchError(
         format_message(
             _tag(launch),
-            f"lost the rendezvous store during the startup check: {type(exc).__name__}:"
-            f" {exc}.",
+            f"lost the rendezvous store during the startup check: {type(exc).__name__}: {exc}.",
             "rank 0 (or torchrun's agent) exited; see its log for the first error.",
         )
     )

@@ -70,8 +70,12 @@ class RootGuard:
                         )
                     ) from None
                 if not waited:
-                    _log.log(logging.INFO, self.tag, "waiting for another worker to finish"
-                             " starting on %s", self.root)
+                    _log.log(
+                        logging.INFO,
+                        self.tag,
+                        "waiting for another worker to finish starting on %s",
+                        self.root,
+                    )
                     waited = True
                 time.sleep(0.05)  # startup only: bounded wait for another worker's lock
         self._file = handle
@@ -89,8 +93,12 @@ class RootGuard:
         if overwrite:
             return pipeline_space
         if self.root.is_dir() and not any(self.root.iterdir()):
-            _log.log(logging.INFO, self.tag, "removing the empty root %s so that NePS"
-                     " creates it afresh", self.root)
+            _log.log(
+                logging.INFO,
+                self.tag,
+                "removing the empty root %s so that NePS creates it afresh",
+                self.root,
+            )
             self.root.rmdir()
             return pipeline_space
         if pipeline_space is None:
@@ -101,7 +109,11 @@ class RootGuard:
         mine = _neps_compat.classic_parameters(_neps_compat.classic_form(pipeline_space))
         theirs = _neps_compat.classic_parameters(on_disk)
         if mine is not None and mine == theirs:
-            _log.log(logging.INFO, self.tag, "continuing with the equivalent search space"
-                     " saved in %s", self.root)
+            _log.log(
+                logging.INFO,
+                self.tag,
+                "continuing with the equivalent search space saved in %s",
+                self.root,
+            )
             return None
         return pipeline_space

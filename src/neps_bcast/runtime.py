@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import _log, sockets, watchdog
+from neps_bcast import _dist, _log, sockets, watchdog
 from neps_bcast._neps_compat import INJECTED_ARGUMENTS
 from neps_bcast.channel import (
     Channel,
@@ -102,7 +102,7 @@ class Runtime:
         # leader's init_process_group).
         self.world_size: int | None = launch.world_size if launch.kind == "external" else None
         self.backend: str | None = None
-        self.store: dist.TCPStore | None = None
+        self.store: _dist.TCPStore | None = None
         self.channel: Channel | None = None
         self.generation = 0
         self.current: TrialContext | None = None
@@ -132,8 +132,8 @@ class Runtime:
     def tag(self) -> str:
         return self.identity.tag
 
-    def log(self, level: int, message: str, *args: object) -> None:
-        _log.log(level, self.tag, message, *args)
+    def log(self, level: int, message: str, *args: object, exc_info: bool = False) -> None:
+        _log.log(level, self.tag, message, *args, exc_info=exc_info)
 
     @contextmanager
     def activated(self) -> Iterator[Runtime]:
@@ -184,7 +184,11 @@ class Runtime:
 
     def _new_sockets(self, before: set[int]) -> set[int]:
         new = sockets.tcp_among(sockets.socket_set() - before - self.own_sockets)
-        if self.store is not None and self.group_rank == 0 and self.launch.kind != "lightning_child":
+        if (
+            self.store is not None
+            and self.group_rank == 0
+            and self.launch.kind != "lightning_child"
+        ):
             new -= sockets.connections_on_port(self.store.port)
         return new
 
@@ -241,31 +245,34 @@ class Runtime:
             dist.destroy_process_group()
         self.generation += 1
         assert self.store is not None
-        prefix = dist.PrefixStore(f"neps_bcast/pg/{self.generation}", self.store)
+        prefix = _dist.PrefixStore(f"neps_bcast/pg/{self.generation}", self.store)
         backend = self.backend or "gloo"
-        self.log(logging.INFO, "re-forming the DDP group (%s, generation %d)", backend,
-                 self.generation)
+        self.log(
+            logging.INFO, "re-forming the DDP group (%s, generation %d)", backend, self.generation
+        )
         before = sockets.socket_set()
-        dist.init_process_group(backend, store=prefix, rank=self.group_rank,
-                                world_size=self.world_size)
+        dist.init_process_group(
+            backend, store=prefix, rank=self.group_rank, world_size=self.world_size
+        )
         self.group_sockets = sockets.tcp_among(sockets.socket_set() - before - self.own_sockets)
         self._seen_group = dist.group.WORLD
         self.group_broken = False
 
     # -- the leader's store ---------------------------------------------------
-    def serve(self) -> dist.TCPStore:
+    def serve(self) -> _dist.TCPStore:
         if self.store is None:
             with self.own_connections():
                 self.store = serve_store()
             os.environ[ENV_LEADER] = f"127.0.0.1:{self.store.port}"
         return self.store
 
-    def connect(self, address: str) -> dist.TCPStore:
+    def connect(self, address: str) -> _dist.TCPStore:
         try:
             with self.own_connections():
                 self.store = connect_store(address)
-                self.watch = watchdog.LeaderWatch(address, self.group_rank,
-                                                  lambda: self.tag, lambda: self.stopping)
+                self.watch = watchdog.LeaderWatch(
+                    address, self.group_rank, lambda: self.tag, lambda: self.stopping
+                )
         except Exception as exc:
             raise LeaderLostError(
                 format_message(
@@ -301,8 +308,9 @@ class Runtime:
         self.log(logging.DEBUG, "joining the control channel")
         try:
             with self.own_connections():
-                self.channel = GlooChannel.join(self.store, self.group_rank, self.world_size,
-                                                generation=0)
+                self.channel = GlooChannel.join(
+                    self.store, self.group_rank, self.world_size, generation=0
+                )
             self._read_peer_pids()
         except JoinTimeoutError as exc:
             raise ProtocolError(
@@ -349,8 +357,11 @@ class Runtime:
                 code = proc.returncode
                 if code is None:
                     continue
-                how = (f"signal {-code} ({_signal.Signals(-code).name})" if code < 0
-                       else f"exit code {code}")
+                how = (
+                    f"signal {-code} ({_signal.Signals(-code).name})"
+                    if code < 0
+                    else f"exit code {code}"
+                )
                 lost.append(f"rank {r} lost: {how} (pid {pid})")
             elif not _alive(pid):
                 lost.append(f"rank {r} lost: its process (pid {pid}) is gone")
@@ -388,7 +399,7 @@ class Runtime:
             return
         if isinstance(message, TrialMessage):
             store = self.serve()
-            store.set(f"neps_bcast/trial/{message.seq}", payload)
+            store.set(f"neps_bcast/trial/{message.seq}", payload)  # type: ignore[arg-type]  # stubs say str; bytes work
             os.environ[ENV_FIRST_SEQ] = str(message.seq)
 
     def receive(self) -> TrialMessage | StopMessage:
@@ -396,8 +407,11 @@ class Runtime:
         channel = self.ensure_channel()
         if channel is None:
             raise ProtocolError(
-                format_message(self.tag, "no control channel to receive the next trial on.",
-                               "this is a bug in neps_bcast; please report it.")
+                format_message(
+                    self.tag,
+                    "no control channel to receive the next trial on.",
+                    "this is a bug in neps_bcast; please report it.",
+                )
             )
         try:
             payload = channel.broadcast(None)
@@ -421,8 +435,9 @@ class Runtime:
             raise ProtocolError(format_message(self.tag, f"expected a trial, got {message!r}."))
         return message
 
-    def exchange(self, phase: Phase, ctx: TrialContext,
-                 error: ErrorRecord | None) -> list[Report] | None:
+    def exchange(
+        self, phase: Phase, ctx: TrialContext, error: ErrorRecord | None
+    ) -> list[Report] | None:
         """Every rank contributes a report for ``phase``; None when there is no group.
 
         Ranks may be at different phases after a failure: the caller decides.
@@ -469,7 +484,7 @@ class Runtime:
         ctx.published = True
         prefix = f"neps_bcast/err/{ctx.message.seq}"
         try:
-            self.store.set(f"{prefix}/{self.group_rank}", pickle.dumps(record))
+            self.store.set(f"{prefix}/{self.group_rank}", pickle.dumps(record))  # type: ignore[arg-type]  # stubs say str; bytes work
             self.store.add(f"{prefix}/n", 1)  # a round trip: the set above has landed
         except Exception as exc:
             if self.group_rank != 0:
@@ -497,11 +512,17 @@ class Runtime:
 
     def fail(self, ctx: TrialContext, exc: BaseException) -> list[ErrorRecord]:
         """This rank raised in a trial: report it, release the peers, return all known."""
-        record = ErrorRecord.from_exception(self.group_rank, exc, pid=os.getpid(),
-                                            secondary=is_secondary(exc))
+        record = ErrorRecord.from_exception(
+            self.group_rank, exc, pid=os.getpid(), secondary=is_secondary(exc)
+        )
         ctx.mine = record
-        self.log(logging.ERROR, "trial %s raised %s: %s", ctx.message.trial_id,
-                 record.type_name, _first_line(exc))
+        self.log(
+            logging.ERROR,
+            "trial %s raised %s: %s",
+            ctx.message.trial_id,
+            record.type_name,
+            _first_line(exc),
+        )
         self.publish_error(ctx, record)
         if (self.world_size or 0) > 1 or dist.is_initialized():
             self.break_group(exc)
@@ -533,7 +554,7 @@ class Runtime:
             if self.store is not None:
                 with contextlib.suppress(Exception):  # losing us is normal from now on
                     for r in range(1, self.world_size or 1):
-                        self.store.set(watchdog.released_key(r), b"1")
+                        self.store.set(watchdog.released_key(r), b"1")  # type: ignore[arg-type]  # stubs say str; bytes work
             if self.channel is not None or (self.world_size or 0) > 1:
                 self.send(StopMessage(reason))
                 if self.channel is not None:
@@ -568,7 +589,7 @@ def _alive(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+    return stat[stat.rindex(")") + 2 :].split()[0] != "Z"
 
 
 def sort_records(records: list[ErrorRecord]) -> list[ErrorRecord]:

@@ -57,8 +57,11 @@ def session() -> Iterator[Trial]:
         )
     if ctx.in_session:
         raise SessionError(
-            format_message(rt.tag, "neps_bcast.session() is already open on this rank.",
-                           "open one session per trial; do not nest them.")
+            format_message(
+                rt.tag,
+                "neps_bcast.session() is already open on this rank.",
+                "open one session per trial; do not nest them.",
+            )
         )
     message = ctx.message
     reports = rt.exchange(Phase.SESSION_ENTER, ctx, None)
@@ -90,8 +93,7 @@ def session() -> Iterator[Trial]:
     ctx.in_session = False
 
 
-def _check_entry(rt: _runtime.Runtime, ctx: _runtime.TrialContext,
-                 reports: list[Report]) -> None:
+def _check_entry(rt: _runtime.Runtime, ctx: _runtime.TrialContext, reports: list[Report]) -> None:
     if any(r.phase == Phase.TRIAL_END for r in reports):
         # A peer already finished this trial (it failed before its session, or it
         # uses none): this exchange was its trial end, and it is ours too.
@@ -107,7 +109,10 @@ def _check_entry(rt: _runtime.Runtime, ctx: _runtime.TrialContext,
     if len({(r.seq, r.trial_id) for r in reports}) > 1:
         each = ", ".join(f"rank {r.group_rank}: trial {r.trial_id}" for r in reports)
         raise TrialMismatchError(
-            format_message(rt.tag, f"the ranks hold different trials ({each}).",
-                           "this is a bug in neps_bcast or a rank started outside"
-                           " it; please report it with every rank's log.")
+            format_message(
+                rt.tag,
+                f"the ranks hold different trials ({each}).",
+                "this is a bug in neps_bcast or a rank started outside"
+                " it; please report it with every rank's log.",
+            )
         )

@@ -30,7 +30,7 @@ def socket_inodes() -> dict[int, int]:
         return found
     for entry in fd_dir.iterdir():
         try:
-            target = os.readlink(entry)
+            target = str(entry.readlink())
         except OSError:
             continue
         if target.startswith("socket:["):
@@ -71,8 +71,7 @@ def tcp_among(inodes: set[int]) -> set[int]:
 
 def connections_on_port(port: int) -> set[int]:
     mine = socket_inodes()
-    return {inode for inode, local in established_tcp().items()
-            if local == port and inode in mine}
+    return {inode for inode, local in established_tcp().items() if local == port and inode in mine}
 
 
 def shutdown(inodes: set[int]) -> int:

@@ -22,11 +22,13 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from neps_bcast import _log
+from neps_bcast import _dist, _log
 from neps_bcast.channel import WAIT_TIMEOUT, connect_store
 
 GRACE_S = 3.0
 """Time the follower's own code gets to notice the loss before the watch ends it."""
+
+
 def released_key(group_rank: int) -> str:
     """Set by the leader when it stops its followers, or by the follower when it leaves:
     the watch then ends quietly (a thread still blocked in the store's C++ wait when the
@@ -37,16 +39,18 @@ def released_key(group_rank: int) -> str:
 class LeaderWatch:
     """The watch thread of one follower; ``release()`` ends it."""
 
-    def __init__(self, address: str, group_rank: int, tag: Callable[[], str],
-                 is_done: Callable[[], bool]) -> None:
+    def __init__(
+        self, address: str, group_rank: int, tag: Callable[[], str], is_done: Callable[[], bool]
+    ) -> None:
         self.address = address
         self.group_rank = group_rank
         self._tag = tag
         self._is_done = is_done
         self._released = threading.Event()
         self._store = connect_store(address)  # before returning: a dead leader raises here
-        self.thread = threading.Thread(target=self._run, name="neps_bcast-leader-watch",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name="neps_bcast-leader-watch", daemon=True
+        )
         self.thread.start()
 
     def _run(self) -> None:
@@ -63,20 +67,25 @@ class LeaderWatch:
                 return  # released: the search is over, or this follower is leaving
         if self._is_done() or self._released.wait(GRACE_S) or self._is_done():
             return
-        _log.log(logging.ERROR, self._tag(),
-                 "lost the leader (rank 0): its store at %s closed the connection, and"
-                 " this process was still waiting %.0f s later (in a rendezvous or a"
-                 " collective). Exiting with code 1 (LeaderLostError). HINT: the leader"
-                 " process exited or was killed; see its log.", self.address, GRACE_S)
+        _log.log(
+            logging.ERROR,
+            self._tag(),
+            "lost the leader (rank 0): its store at %s closed the connection, and"
+            " this process was still waiting %.0f s later (in a rendezvous or a"
+            " collective). Exiting with code 1 (LeaderLostError). HINT: the leader"
+            " process exited or was killed; see its log.",
+            self.address,
+            GRACE_S,
+        )
         for handler in logging.getLogger().handlers + _log.logger.handlers:
             handler.flush()
         os._exit(1)
 
-    def release(self, store: dist.Store) -> None:
+    def release(self, store: _dist.Store) -> None:
         """Follower leaving: end the watch before the interpreter exits."""
         self._released.set()
         try:
-            store.set(released_key(self.group_rank), b"1")
+            store.set(released_key(self.group_rank), b"1")  # type: ignore[arg-type]  # stubs say str; bytes work
         except Exception:  # noqa: BLE001, S110 - the leader is gone: the wait ended already
             pass
         self.thread.join(timeout=5.0)

@@ -27,9 +27,15 @@ def main() -> int:
     for task in range(args.ntasks):
         env = dict(os.environ)
         env.update(
-            SLURM_NTASKS=str(args.ntasks), SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
-            SLURM_NODEID="0", SLURM_NTASKS_PER_NODE=str(args.ntasks), SLURM_NNODES="1",
-            SLURM_JOB_ID="4242", SLURM_JOB_NAME="neps_bcast_test", SLURM_NODELIST="localhost",
+            SLURM_NTASKS=str(args.ntasks),
+            SLURM_PROCID=str(task),
+            SLURM_LOCALID=str(task),
+            SLURM_NODEID="0",
+            SLURM_NTASKS_PER_NODE=str(args.ntasks),
+            SLURM_NNODES="1",
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="neps_bcast_test",
+            SLURM_NODELIST="localhost",
         )
         tasks.append(subprocess.Popen(command, env=env))
     codes = [t.wait() for t in tasks]

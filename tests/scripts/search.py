@@ -45,11 +45,11 @@ import lightning as L
 import neps
 import torch
 import torch.distributed as dist
+from space_tools import unpicklable_tool
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import neps_bcast
-from space_tools import unpicklable_tool
 
 ENV = os.environ
 RECORD = Path(ENV["NB_RECORD"]).resolve() if "NB_RECORD" in ENV else None
@@ -188,9 +188,15 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 def train(kwargs: dict[str, Any]) -> float:
     epochs = int(kwargs.get("epochs", 1))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices(), strategy=STRATEGY, max_epochs=epochs,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=kwargs.get("pipeline_directory"),
+        accelerator="cpu",
+        devices=devices(),
+        strategy=STRATEGY,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=kwargs.get("pipeline_directory"),
     )
     prev = kwargs.get("previous_pipeline_directory")
     ckpt = Path(prev) / "last.ckpt" if prev else None
@@ -247,19 +253,27 @@ def evaluate(**kwargs: Any) -> float:
     except BaseException as exc:
         # What every rank's session raised (the failing rank's own error, or the
         # TrialFailedError naming it).
-        record("raised", seq=SEQ["n"], rank=my_rank(), type=type(exc).__name__,
-               text=str(exc))
+        record("raised", seq=SEQ["n"], rank=my_rank(), type=type(exc).__name__, text=str(exc))
         raise
 
 
 def in_session(kwargs: dict[str, Any]) -> float:
     with neps_bcast.session() as trial:
-        record("trial", trial_id=trial.id, rank=trial.rank, world_size=trial.world_size,
-               is_leader=trial.is_leader, kwargs=kwargs, config=trial.config,
-               pipeline_directory=trial.pipeline_directory,
-               previous_pipeline_directory=trial.previous_pipeline_directory,
-               ckpt_exists=bool(trial.previous_pipeline_directory
-                                and (Path(trial.previous_pipeline_directory) / "last.ckpt").exists()))
+        record(
+            "trial",
+            trial_id=trial.id,
+            rank=trial.rank,
+            world_size=trial.world_size,
+            is_leader=trial.is_leader,
+            kwargs=kwargs,
+            config=trial.config,
+            pipeline_directory=trial.pipeline_directory,
+            previous_pipeline_directory=trial.previous_pipeline_directory,
+            ckpt_exists=bool(
+                trial.previous_pipeline_directory
+                and (Path(trial.previous_pipeline_directory) / "last.ckpt").exists()
+            ),
+        )
         fault("session")
         if ENV.get("NB_MEET") and SEQ["n"] == 1:
             meet_dir, me, other = ENV["NB_MEET"].split(":")
@@ -275,21 +289,36 @@ def in_session(kwargs: dict[str, Any]) -> float:
             loss = fabric_ddp(kwargs)
         else:
             loss = train(kwargs)
-        record("trained", rank=trial.rank, world_size_after=dist.get_world_size()
-               if dist.is_initialized() else None, loss=loss)
+        record(
+            "trained",
+            rank=trial.rank,
+            world_size_after=dist.get_world_size() if dist.is_initialized() else None,
+            loss=loss,
+        )
         fault("after")
         if ENV.get("NB_DESTROY_GROUP") == "1" and dist.is_initialized():
             dist.destroy_process_group()
     return loss
 
 
-def with_dirs(lr: float, hidden: int, activation: str, pipeline_directory: Path,
-              previous_pipeline_directory: Path | None, pipeline_id: str,
-              epochs: int = 1) -> float:
-    return evaluate(lr=lr, hidden=hidden, activation=activation, epochs=epochs,
-                    pipeline_directory=pipeline_directory,
-                    previous_pipeline_directory=previous_pipeline_directory,
-                    pipeline_id=pipeline_id)
+def with_dirs(
+    lr: float,
+    hidden: int,
+    activation: str,
+    pipeline_directory: Path,
+    previous_pipeline_directory: Path | None,
+    pipeline_id: str,
+    epochs: int = 1,
+) -> float:
+    return evaluate(
+        lr=lr,
+        hidden=hidden,
+        activation=activation,
+        epochs=epochs,
+        pipeline_directory=pipeline_directory,
+        previous_pipeline_directory=previous_pipeline_directory,
+        pipeline_id=pipeline_id,
+    )
 
 
 class Basic(neps.PipelineSpace):
@@ -313,13 +342,21 @@ class WithFidelity(neps.PipelineSpace):
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format=f"%(asctime)s pid{os.getpid()} %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stdout,
+        format=f"%(asctime)s pid{os.getpid()} %(name)s %(levelname)s: %(message)s",
+    )
     logging.getLogger("lightning").setLevel(logging.WARNING)
-    space = {"fidelity": WithFidelity, "unpicklable": WithTool}.get(ENV.get("NB_SPACE", ""),
-                                                                    Basic)()
-    fn = with_dirs if ENV.get("NB_EXTRA_ARGS") == "1" or ENV.get("NB_SPACE") == "fidelity" else evaluate
-    record("start", argv=sys.argv, cwd=os.getcwd())
+    space = {"fidelity": WithFidelity, "unpicklable": WithTool}.get(
+        ENV.get("NB_SPACE", ""), Basic
+    )()
+    fn = (
+        with_dirs
+        if ENV.get("NB_EXTRA_ARGS") == "1" or ENV.get("NB_SPACE") == "fidelity"
+        else evaluate
+    )
+    record("start", argv=sys.argv, cwd=str(Path.cwd()))
     root = ENV.get("NB_ROOT", "results")
     bad, _, bad_rank = ENV.get("NB_BAD", "").partition(":rank=")
     if bad and int(bad_rank) == my_rank():
@@ -332,7 +369,9 @@ def main() -> None:
             space = WithFidelity()
     try:
         neps_bcast.run(
-            fn, pipeline_space=space, root_directory=root,
+            fn,
+            pipeline_space=space,
+            root_directory=root,
             total_evaluations_to_spend=int(ENV.get("NB_TRIALS", "5")),
             optimizer=ENV.get("NB_OPTIMIZER", "random_search"),
             ignore_errors=ENV.get("NB_IGNORE_ERRORS") == "1",
