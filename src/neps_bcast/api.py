@@ -42,7 +42,7 @@ def run(
     _lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
     with rt.activated():
         if launch.kind == "single":
-            _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
+            _lead(rt, fn, pipeline_space, kwargs)
         elif launch.kind == "lightning_child":
             rt.log(logging.INFO, "Lightning child of the leader at %s", launch.leader_store)
             try:
@@ -54,7 +54,7 @@ def run(
             _start_external(rt, fingerprint(evaluate_pipeline, pipeline_space, kwargs))
             try:
                 if rt.group_rank == 0:
-                    _lead(rt, fn, evaluate_pipeline, pipeline_space, kwargs)
+                    _lead(rt, fn, pipeline_space, kwargs)
                 else:
                     try:
                         with _sigterm_raises():
@@ -69,7 +69,6 @@ def run(
 def _lead(
     rt: Runtime,
     fn: Callable[..., Any],
-    original: Callable[..., Any] | str,
     pipeline_space: Any,
     kwargs: dict[str, Any],
 ) -> None:

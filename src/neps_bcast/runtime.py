@@ -9,7 +9,6 @@ being evaluated in this process, and it implements the three per-trial exchanges
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import logging
 import os
@@ -609,7 +608,3 @@ def failure_text(records: list[ErrorRecord], trial_id: str) -> str:
         f"--- traceback of rank {r.group_rank} (pid {r.pid}) ---\n{r.traceback}" for r in primary
     )
     return f"{head}.\n{tracebacks}"
-
-
-def timedelta_s(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)

@@ -53,12 +53,6 @@ def established_tcp() -> dict[int, int]:
     return result
 
 
-def tcp_connections() -> set[int]:
-    """Inodes of this process's established TCP connections."""
-    mine = socket_inodes()
-    return {inode for inode in established_tcp() if inode in mine}
-
-
 def socket_set() -> set[int]:
     """Inodes of every socket this process holds: cheap (no /proc/net read)."""
     return set(socket_inodes())
