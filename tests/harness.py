@@ -22,8 +22,9 @@ from typing import Any
 SCRIPTS = Path(__file__).parent / "scripts"
 SEARCH = SCRIPTS / "search.py"
 PYTHON = sys.executable
+TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 
-_SCRUB = (
+LAUNCH_VARS = (
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -41,7 +42,7 @@ def base_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in _SCRUB and not k.startswith(("SLURM_", "NEPS_BCAST_", "NB_", "PYTEST_"))
+        if k not in LAUNCH_VARS and not k.startswith(("SLURM_", "NEPS_BCAST_", "NB_", "PYTEST_"))
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.update(extra)

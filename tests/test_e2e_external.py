@@ -20,6 +20,7 @@ from harness import (
     PYTHON,
     SCRIPTS,
     SEARCH,
+    TORCHRUN,
     Launch,
     assert_clean_launch,
     base_env,
@@ -29,7 +30,6 @@ from harness import (
     trials_by_rank,
 )
 
-TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 FAKE_SRUN = SCRIPTS / "fake_srun.py"
 
 

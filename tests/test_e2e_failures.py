@@ -19,6 +19,7 @@ import pytest
 from harness import (
     PYTHON,
     SEARCH,
+    TORCHRUN,
     Launch,
     assert_clean_launch,
     base_env,
@@ -28,7 +29,6 @@ from harness import (
     trials_by_rank,
 )
 
-TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 BOUND_S = 60.0
 """No wait involved may be a timeout: every failure is handled within this bound."""
 

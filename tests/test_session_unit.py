@@ -23,6 +23,7 @@ import pytest
 from neps.state.neps_state import NePSState
 
 import neps_bcast
+from harness import LAUNCH_VARS
 from neps_bcast import _neps_compat, leader, runtime
 from neps_bcast.channel import Channel, ChannelClosedError
 from neps_bcast.errors import (
@@ -35,18 +36,6 @@ from neps_bcast.errors import (
 from neps_bcast.follower import follow
 from neps_bcast.launch import ENV_FIRST_SEQ, ENV_LEADER, Launch
 from neps_bcast.messages import Phase, Report, StopMessage, TrialMessage, decode
-
-LAUNCH_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "NODE_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
 class Space(neps.PipelineSpace):
