@@ -1,14 +1,48 @@
-"""/proc helpers shared by the supervisor and the runner (Linux only, no third-party imports)."""
+"""What only the benchmarks need on top of ``neps_bcast._procfs`` (which parses ``/proc``).
+
+- ``clean_env``: the environment a launch starts from (no launcher or rank variables);
+- a launch marker: every process of one launch inherits ``BENCH_LAUNCH=<id>``, which is how
+  the supervisor and the runner find them all (torch's launcher would move workers to a
+  process session of their own, so a session-based scan could miss them);
+- ``describe``: which rank a process is, for the CPU timelines.
+
+The supervisor imports this module, so it stays light: ``_procfs`` is loaded from its file
+rather than through ``import neps_bcast._procfs``, which would run ``neps_bcast/__init__``
+and import torch (~1.5 CPU-seconds for each of the ~20 supervisors of a quick run).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import signal
+import sys
+import uuid
 from pathlib import Path
+from types import ModuleType
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+LAUNCH_MARKER = "BENCH_LAUNCH"
+ROLE_VARIABLE = "BENCH_ROLE"
 
-SCRUB = (
+
+def _load_procfs() -> ModuleType:
+    """``neps_bcast/_procfs.py`` (stdlib only) without importing the ``neps_bcast`` package."""
+    package = importlib.util.find_spec("neps_bcast")
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("neps_bcast is not installed: run `make install`")
+    path = Path(next(iter(package.submodule_search_locations))) / "_procfs.py"
+    spec = importlib.util.spec_from_file_location("neps_bcast_procfs", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+procfs = _load_procfs()
+"""``neps_bcast._procfs``: read_stat, is_alive, environ, cmdline, pids_with_env, kill."""
+
+SCRUBBED_VARIABLES = (
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -21,64 +55,35 @@ SCRUB = (
     "PL_GLOBAL_SEED",
     "NEPS_DDP_TRIAL_ID",
 )
+SCRUBBED_PREFIXES = ("SLURM_", "NEPS_BCAST_", "BENCH_", "PYTEST_")
+
+
+def new_launch_id(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:12]}"
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The runner's environment without any launcher or rank variables (no fixed ports)."""
     env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in SCRUB and not k.startswith(("SLURM_", "NEPS_BCAST_", "BENCH_", "PYTEST_"))
+        key: value
+        for key, value in os.environ.items()
+        if key not in SCRUBBED_VARIABLES and not key.startswith(SCRUBBED_PREFIXES)
     }
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     env.update(extra)
     return env
 
 
-def read_stat(pid: int) -> tuple[str, int, float] | None:
-    """(state, session id, CPU seconds utime+stime) of a process, or None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()
-    # fields[0]=state, [3]=session, [11]=utime, [12]=stime (man proc, minus pid and comm)
-    return fields[0], int(fields[3]), (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def session_pids(sid: int, exclude: tuple[int, ...] = ()) -> list[int]:
-    """Live (non-zombie) processes whose session id is ``sid``."""
-    pids = []
-    for entry in os.listdir("/proc"):  # noqa: PTH208
-        if not entry.isdigit() or int(entry) in exclude:
-            continue
-        st = read_stat(int(entry))
-        if st is not None and st[1] == sid and st[0] != "Z":
-            pids.append(int(entry))
-    return pids
+def launch_pids(launch_id: str, exclude: tuple[int, ...] = ()) -> list[int]:
+    """Live processes of one launch (the caller itself is never listed)."""
+    return [pid for pid in procfs.pids_with_env(LAUNCH_MARKER, launch_id) if pid not in exclude]
 
 
 def describe(pid: int) -> dict[str, str]:
-    """Role of a benchmark process: its rank variables and a short command line."""
-    out: dict[str, str] = {}
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        for item in environ:
-            key, _, value = item.decode(errors="replace").partition("=")
-            if key in ("RANK", "LOCAL_RANK", "BENCH_ROLE"):
-                out[key] = value
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        out["cmd"] = cmd.strip()[-120:]
-    except OSError:
-        pass
-    rank = out.get("LOCAL_RANK") or out.get("RANK")
-    out["role"] = out.get("BENCH_ROLE") or (f"rank{rank}" if rank else "rank0")
-    return out
-
-
-def kill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
+    """Role of a benchmark process (``rank1``, ``launcher``, ...) and a short command line."""
+    env = procfs.environ(pid)
+    rank = env.get("LOCAL_RANK") or env.get("RANK")
+    return {
+        "cmd": procfs.cmdline(pid)[-120:],
+        "role": env.get(ROLE_VARIABLE) or (f"rank{rank}" if rank else "rank0"),
+    }

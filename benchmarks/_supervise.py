@@ -1,11 +1,13 @@
-"""Run one launch in its own process session and account for every process it starts.
+"""Run one launch and account for every process it starts.
 
-    python benchmarks/_supervise.py --out run.json --deadline 300 -- python script.py ...
+    BENCH_LAUNCH=<id> python benchmarks/_supervise.py --out run.json --log run.log \\
+        --deadline 300 -- python script.py ...
 
-The supervisor must itself be started with ``start_new_session=True``: every process of
-the launch (Lightning's children, NePS's followers that never exit) then shares its
-session id. It makes itself a child subreaper, so processes orphaned by the launch are
-re-parented to it and their CPU time is accounted when it reaps them. It records:
+Every process of the launch (Lightning's children, NePS's followers that never exit)
+inherits ``BENCH_LAUNCH`` from the supervisor's environment; that marker is how they are
+found (``_proc.launch_pids``). The supervisor makes itself a child subreaper, so processes
+orphaned by the launch are re-parented to it and their CPU time is accounted when it reaps
+them. It records:
 
 - the target's exit code and wall time (the target is the leader / launcher process);
 - ``cpu_at_exit_s``: CPU seconds of all processes of the launch up to the target's exit
@@ -29,17 +31,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _proc import describe, kill, read_stat, session_pids
+from _proc import LAUNCH_MARKER, describe, launch_pids, procfs
 
 PR_SET_CHILD_SUBREAPER = 36
+KILL_ALL_TIMEOUT_S = 10.0
 
 
-def children_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
-def reap_all() -> None:
+def reap_exited_children() -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -49,112 +52,140 @@ def reap_all() -> None:
             return
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--deadline", type=float, default=300.0)
-    p.add_argument("--grace", type=float, default=5.0)
-    p.add_argument("--linger", type=float, default=2.0)
-    p.add_argument("--sample-every", type=float, default=0.2)
-    p.add_argument("--log", required=True)
-    p.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = p.parse_args()
-    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+def realtime() -> float:
+    return time.clock_gettime(time.CLOCK_REALTIME)
 
+
+class Census:
+    """The launch's processes: each one's role and CPU-time samples (realtime, cpu_s)."""
+
+    def __init__(self, launch_id: str) -> None:
+        self.launch_id = launch_id
+        self.own_pid = os.getpid()
+        self.roles: dict[int, dict[str, str]] = {}
+        self.samples: dict[int, list[tuple[float, float]]] = {}
+
+    def pids(self) -> list[int]:
+        return launch_pids(self.launch_id, exclude=(self.own_pid,))
+
+    def role(self, pid: int) -> dict[str, str]:
+        if pid not in self.roles:
+            self.roles[pid] = describe(pid)
+        return self.roles[pid]
+
+    def sample(self) -> dict[int, float]:
+        """CPU seconds of every live process of the launch, appended to its timeline."""
+        now = realtime()
+        cpu_by_pid = {}
+        for pid in self.pids():
+            stat = procfs.read_stat(pid)
+            if stat is None:
+                continue
+            self.role(pid)
+            self.samples.setdefault(pid, []).append((now, stat.cpu_seconds))
+            cpu_by_pid[pid] = stat.cpu_seconds
+        return cpu_by_pid
+
+    def timelines(self) -> dict[str, dict[str, object]]:
+        return {
+            str(pid): {**self.roles.get(pid, {}), "samples": samples}
+            for pid, samples in self.samples.items()
+        }
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--log", required=True)
+    parser.add_argument("--deadline", type=float, default=300.0)
+    parser.add_argument("--grace", type=float, default=5.0)
+    parser.add_argument("--linger", type=float, default=2.0)
+    parser.add_argument("--sample-every", type=float, default=0.2)
+    parser.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    if args.cmd and args.cmd[0] == "--":
+        args.cmd = args.cmd[1:]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    launch_id = os.environ.get(LAUNCH_MARKER)
+    if not launch_id:
+        sys.exit(f"_supervise.py needs {LAUNCH_MARKER} in its environment")
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    me = os.getpid()
-    sid = os.getsid(0)
-    roles: dict[int, dict[str, str]] = {}
-    timeline: dict[int, list[tuple[float, float]]] = {}
+    census = Census(launch_id)
 
-    def sample() -> dict[int, float]:
-        now = time.clock_gettime(time.CLOCK_REALTIME)
-        live = {}
-        for pid in session_pids(sid, exclude=(me,)):
-            st = read_stat(pid)
-            if st is None:
-                continue
-            if pid not in roles:
-                roles[pid] = describe(pid)
-            timeline.setdefault(pid, []).append((now, st[2]))
-            live[pid] = st[2]
-        return live
-
-    t0 = time.clock_gettime(time.CLOCK_REALTIME)
-    m0 = time.monotonic()
+    t_start = realtime()
+    started = time.monotonic()
     with Path(args.log).open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        target = subprocess.Popen(
+            args.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
     timed_out = False
     killed_at_deadline: list[dict[str, object]] = []
-    while True:
-        code = proc.poll()
-        if code is not None:
-            break
-        if time.monotonic() - m0 > args.deadline:
+    while (exit_code := target.poll()) is None:
+        if time.monotonic() - started > args.deadline:
             timed_out = True
-            for pid in session_pids(sid, exclude=(me,)):
-                killed_at_deadline.append({"pid": pid, **roles.get(pid, describe(pid))})
-                kill(pid)
-            code = proc.wait()
+            for pid in census.pids():
+                killed_at_deadline.append({"pid": pid, **census.role(pid)})
+                procfs.kill(pid)
+            exit_code = target.wait()
             break
-        sample()
+        census.sample()
         time.sleep(args.sample_every)
-    wall = time.monotonic() - m0
-    t_exit = time.clock_gettime(time.CLOCK_REALTIME)
-    reap_all()
-    live = sample()
-    cpu_at_exit = children_cpu() + sum(live.values())
+    wall_s = time.monotonic() - started
+    t_exit = realtime()
+    reap_exited_children()
+    cpu_by_pid = census.sample()
+    cpu_at_exit_s = children_cpu_seconds() + sum(cpu_by_pid.values())
 
     # Give processes that stop on their own the chance to do so.
-    end = time.monotonic() + args.grace
-    while time.monotonic() < end and live:
+    grace_end = time.monotonic() + args.grace
+    while time.monotonic() < grace_end and cpu_by_pid:
         time.sleep(args.sample_every)
-        reap_all()
-        live = sample()
-    left_pids = sorted(live)
-    before = dict(live)
-    time.sleep(args.linger if left_pids else 0)
-    after = sample()
+        reap_exited_children()
+        cpu_by_pid = census.sample()
+    left_before = dict(cpu_by_pid)
+    time.sleep(args.linger if left_before else 0)
+    left_after = census.sample()
     left = []
-    for pid in left_pids:
-        cpu_rate = (after.get(pid, before[pid]) - before[pid]) / args.linger
+    for pid, cpu_before in sorted(left_before.items()):
+        cpu_after = left_after.get(pid, cpu_before)
         left.append(
             {
                 "pid": pid,
-                **roles.get(pid, {}),
-                "cpu_s_total": after.get(pid, before[pid]),
-                "cpu_per_wall_s": cpu_rate,
-                "killed": kill(pid),
+                **census.role(pid),
+                "cpu_s_total": cpu_after,
+                "cpu_per_wall_s": (cpu_after - cpu_before) / args.linger,
+                "killed": procfs.kill(pid),
             }
         )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for pid in session_pids(sid, exclude=(me,)):
-            kill(pid)
+    kill_all_end = time.monotonic() + KILL_ALL_TIMEOUT_S
+    while time.monotonic() < kill_all_end:
+        for pid in census.pids():
+            procfs.kill(pid)
         try:  # reap every child (orphans included) so that its CPU time is accounted
             if os.waitpid(-1, os.WNOHANG)[0] == 0:
                 time.sleep(0.05)
         except ChildProcessError:
             break
-    still = session_pids(sid, exclude=(me,))
-    result = {
-        "cmd": cmd,
-        "exit_code": code,
+    record = {
+        "cmd": args.cmd,
+        "exit_code": exit_code,
         "timed_out": timed_out,
-        "wall_s": wall,
-        "t_start": t0,
+        "wall_s": wall_s,
+        "t_start": t_start,
         "t_exit": t_exit,
-        "cpu_at_exit_s": cpu_at_exit,
-        "cpu_all_s": children_cpu(),
+        "cpu_at_exit_s": cpu_at_exit_s,
+        "cpu_all_s": children_cpu_seconds(),
         "left": left,
         "killed_at_deadline": killed_at_deadline,
-        "still_alive_after_kill": still,
-        "processes": {
-            str(pid): {**roles.get(pid, {}), "samples": timeline[pid]} for pid in timeline
-        },
+        "still_alive_after_kill": census.pids(),
+        "processes": census.timelines(),
     }
-    Path(args.out).write_text(json.dumps(result))
+    Path(args.out).write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

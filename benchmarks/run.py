@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --quick   # make bench (< 5 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full
 
-Every launch runs under ``_supervise.py`` in its own process session, with a fresh
+Every launch runs under ``_supervise.py`` with a launch marker in its environment, with a fresh
 temporary root, no fixed ports and a deadline; the supervisor counts, measures and kills
 (by PID) every process the launch leaves behind. Raw JSON per launch goes to
 ``benchmarks/results/raw/`` (git-ignored); ``summary.json``, ``REPORT.md`` and the PNG
@@ -28,7 +28,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _proc import clean_env, kill, session_pids  # noqa: E402
+from _proc import LAUNCH_MARKER, clean_env, launch_pids, new_launch_id, procfs  # noqa: E402
 
 RESULTS = HERE / "results"
 RAW = RESULTS / "raw"
@@ -81,7 +81,8 @@ def supervised(
 ) -> dict[str, Any]:
     """Run ``cmd`` under the supervisor in a new session; return the supervisor's record."""
     out, log = cwd / "supervisor.json", cwd / "launch.log"
-    env = clean_env(**({"BENCH_ROLE": role} if role else {}))
+    launch_id = new_launch_id(name)
+    env = clean_env(**{LAUNCH_MARKER: launch_id}, **({"BENCH_ROLE": role} if role else {}))
     sup = [
         PY,
         str(HERE / "_supervise.py"),
@@ -105,9 +106,9 @@ def supervised(
     except subprocess.TimeoutExpired:
         pass
     # Backstop: nothing of this session may survive, whatever the supervisor did.
-    stray = [p for p in session_pids(proc.pid)]
+    stray = launch_pids(launch_id)
     for pid in stray:
-        kill(pid)
+        procfs.kill(pid)
     if proc.poll() is None:
         proc.wait(timeout=10)
     record: dict[str, Any] = (
