@@ -1,0 +1,255 @@
+"""Statistics: from what the launches recorded to the numbers of ``summary_<mode>.json``.
+
+Two levels. Per launch (called by ``measurement``): ``trial_timings`` turns the ranks'
+JSON lines into one record per trial (handoff, overhead, sampling time) and
+``follower_wait_cpu`` turns the supervisor's CPU samples into CPU rates while the leader
+holds a trial. Per run: ``summarize`` reduces all launches to medians, p95s and counts,
+one section per measurement (channel, plain, e2e, reliability, bo, sweep).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from configuration import PAYLOAD_BYTES, SYSTEMS, BenchConfig
+
+Record = dict[str, Any]
+
+HOLD_EDGE_S = 0.2
+"""CPU samples this close to either end of a hold window are left out (start-up, wake-up)."""
+
+
+def quantile(values: list[float], fraction: float) -> float | None:
+    """Linear-interpolation quantile (numpy's default), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * fraction
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+def describe_values(values: list[float | None], scale: float = 1.0) -> Record:
+    """Median, p95, mean and count of the values that exist, each times ``scale``."""
+    present = [value * scale for value in values if value is not None]
+    return {
+        "median": quantile(present, 0.5),
+        "p95": quantile(present, 0.95),
+        "mean": statistics.fmean(present) if present else None,
+        "n": len(present),
+    }
+
+
+# ----------------------------------------------------------------------------- per launch
+def channel_latency_ms(latency_s_by_payload: dict[str, list[float]]) -> Record:
+    """Median and p95 (ms) of the channel-alone broadcasts, by payload size."""
+    by_payload = {}
+    for size, latencies in latency_s_by_payload.items():
+        stats = describe_values(latencies, 1e3)
+        by_payload[size] = {"median": stats["median"], "p95": stats["p95"], "n": stats["n"]}
+    return by_payload
+
+
+def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record]:
+    """One record per trial the leader started: handoff, control overhead, sampling time.
+
+    ``rows`` are the ranks' JSON lines; ``trial_key`` is the argument that tells trials
+    apart (``x`` in the plain workload, ``lr`` in the Lightning one). A trial is complete
+    when every follower entered it.
+    """
+    leader_starts = [row for row in rows if row["rank"] == 0 and "t_started" in row]
+    leader_exits = {
+        row[trial_key]: row["t_exit"] for row in rows if row["rank"] == 0 and "t_exit" in row
+    }
+    trials = []
+    previous_exit = None
+    for index, start in enumerate(leader_starts, start=1):
+        trial = start[trial_key]
+        follower_rows = [row for row in rows if row["rank"] > 0 and row.get(trial_key) == trial]
+        follower_entries = [row["t_enter"] for row in follower_rows if "t_enter" in row]
+        is_complete = len({row["rank"] for row in follower_rows}) == world - 1
+        last_entry = max(follower_entries) if is_complete else None
+        trials.append(
+            {
+                "index": index,
+                "payload": start.get("payload"),
+                "complete": is_complete,
+                "latency_s": None if last_entry is None else last_entry - start["t_started"],
+                "overhead_s": None
+                if last_entry is None or previous_exit is None
+                else last_entry - previous_exit,
+                "sample_s": None if previous_exit is None else start["t_started"] - previous_exit,
+            }
+        )
+        previous_exit = leader_exits.get(trial)
+    return trials
+
+
+def is_follower(process: Record) -> bool:
+    role = process.get("role")
+    return role not in ("rank0", "launcher") and "supervise" not in process.get("cmd", "")
+
+
+def follower_wait_cpu(
+    supervisor_record: Record, hold_windows: list[tuple[float, float]]
+) -> list[float]:
+    """CPU-seconds per wall-second of each follower inside each of the leader's holds."""
+    rates = []
+    for process in supervisor_record.get("processes", {}).values():
+        if not is_follower(process):
+            continue
+        for hold_start, hold_end in hold_windows:
+            inside = [
+                (time_s, cpu_s)
+                for time_s, cpu_s in process["samples"]
+                if hold_start + HOLD_EDGE_S <= time_s <= hold_end - HOLD_EDGE_S
+            ]
+            if len(inside) >= 2 and inside[-1][0] > inside[0][0]:
+                (first_time, first_cpu), (last_time, last_cpu) = inside[0], inside[-1]
+                rates.append((last_cpu - first_cpu) / (last_time - first_time))
+    return rates
+
+
+def cpu_timelines(supervisor_record: Record) -> Record:
+    """CPU samples of rank 0 and rank 1, launch start and leader exit: the plot's input."""
+    timeline: Record = {
+        "t_start": supervisor_record.get("t_start"),
+        "t_exit": supervisor_record.get("t_exit"),
+    }
+    for process in supervisor_record.get("processes", {}).values():
+        role = process.get("role")
+        if role in ("rank0", "rank1") and "supervise" not in process.get("cmd", ""):
+            timeline.setdefault(role, process["samples"])
+    return timeline
+
+
+# ----------------------------------------------------------------------------- per run
+def after_first(trials: list[Record]) -> list[Record]:
+    """The first trial pays for start-up (imports, group creation): it is left out."""
+    return [trial for trial in trials if trial["index"] > 1]
+
+
+def summarize_plain(raw: Record) -> Record:
+    """Handoff, overhead and follower CPU by world size, then system."""
+    by_world: Record = {}
+    for key, launch in raw["plain"].items():
+        system, world = key.split(":")
+        measured = after_first(launch["trials"])
+        # At world 2 the large-payload runs (sweep) add their trials to the payload table.
+        sweep = raw["sweep"].get(system, {}).get("trials", []) if world == "2" else []
+        with_payloads = measured + after_first(sweep)
+        by_world.setdefault(world, {})[system] = {
+            "all": describe_values([trial["latency_s"] for trial in measured], 1e3),
+            "by_payload": {
+                str(size): describe_values(
+                    [trial["latency_s"] for trial in with_payloads if trial["payload"] == size],
+                    1e3,
+                )
+                for size in PAYLOAD_BYTES
+            },
+            "overhead_ms": describe_values([trial["overhead_s"] for trial in measured], 1e3),
+            "wait_cpu_per_s": describe_values(launch["wait_cpu_per_s"]),
+            "completed": launch["completed"],
+            "error": launch["error"],
+            "left": len(launch["left"]),
+            "trials_done": launch["neps_successes"],
+            "trials_wanted": launch["trials_wanted"],
+        }
+    return by_world
+
+
+def summarize_e2e(raw: Record, config: BenchConfig) -> Record:
+    """Wall time, CPU time, throughput and handoff of the completed end-to-end runs."""
+    by_system: Record = {}
+    for system in SYSTEMS:
+        launches = [launch for launch in raw["e2e"] if launch["system"] == system]
+        completed = [launch for launch in launches if launch["completed"]]
+        walls = [launch["wall_s"] for launch in completed]
+        cpus = [
+            launch["cpu_at_exit_s"] for launch in completed if launch["cpu_at_exit_s"] is not None
+        ]
+        median_wall = statistics.median(walls) if walls else None
+        by_system[system] = {
+            "runs": len(completed),
+            "runs_total": len(launches),
+            "wall_s": median_wall,
+            "cpu_s": statistics.median(cpus) if cpus else None,
+            "trials_per_min": 60 * config.e2e_trials / median_wall
+            if median_wall is not None
+            else None,
+            "latency_ms": describe_values(
+                [
+                    trial["latency_s"]
+                    for launch in completed
+                    for trial in after_first(launch["trials"])
+                ],
+                1e3,
+            ),
+        }
+    return by_system
+
+
+def summarize_reliability(raw: Record) -> Record:
+    """Every Lightning launch (end to end + reliability): completed, lost, left behind."""
+    by_system: Record = {}
+    for system in SYSTEMS:
+        launches = [
+            launch for launch in raw["e2e"] + raw["reliability"] if launch["system"] == system
+        ]
+        with_leftovers = [launch for launch in launches if launch["left"]]
+        by_system[system] = {
+            "runs": len(launches),
+            "completed": sum(launch["completed"] for launch in launches),
+            "lost": sum(not launch["completed"] for launch in launches),
+            "runs_with_leftovers": len(with_leftovers),
+            "left_processes": sum(launch["left"] for launch in launches),
+            "left_cpu_per_s": statistics.fmean(
+                [launch["left_cpu_per_s"] for launch in with_leftovers]
+            )
+            if with_leftovers
+            else 0.0,
+            "errors": sorted({launch["error"] for launch in launches if launch["error"]}),
+        }
+    return by_system
+
+
+def summarize_bo(raw: Record) -> Record:
+    """Time from a trial's end to NePS starting the next one, as Bayesian optimization grows."""
+    by_system: Record = {}
+    for system in SYSTEMS:
+        launch = raw["bo"][system]
+        sample_times = [
+            trial["sample_s"] for trial in launch["trials"] if trial["sample_s"] is not None
+        ]
+        by_system[system] = {
+            "completed": launch["completed"],
+            "trials_done": launch["neps_successes"],
+            "trials_wanted": launch["trials_wanted"],
+            "left": len(launch["left"]),
+            "sample_s_last5": describe_values(sample_times[-5:]),
+            "sample_s_all": sample_times,
+            "error": launch["error"],
+        }
+    return by_system
+
+
+def summarize_sweep(raw: Record) -> Record:
+    fields = ("neps_successes", "trials_wanted", "completed", "left", "error")
+    return {
+        system: {field: launch[field] for field in fields}
+        for system, launch in raw["sweep"].items()
+    }
+
+
+def summarize(raw: Record, config: BenchConfig) -> Record:
+    """The ``summary`` block of ``summary_<mode>.json``."""
+    return {
+        "channel": raw["channel"],
+        "plain": summarize_plain(raw),
+        "e2e": summarize_e2e(raw, config),
+        "reliability": summarize_reliability(raw),
+        "bo": summarize_bo(raw),
+        "sweep": summarize_sweep(raw),
+    }

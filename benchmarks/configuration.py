@@ -1,0 +1,106 @@
+"""What a benchmark run measures: the quick and full settings, the goals, and where results go.
+
+Every number that decides how long a run takes lives here, so a newcomer can see at a
+glance what ``make bench`` (quick) and ``make bench-full`` (full) do. The settings are
+frozen dataclasses; ``dataclasses.asdict`` of one is the ``config`` block of
+``summary_<mode>.json`` (same keys as before the split, so old summaries still read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+RAW = RESULTS / "raw"
+"""One JSON file per launch (git-ignored): the supervisor's record and the derived result."""
+
+Mode = Literal["quick", "full"]
+System = Literal["ours", "builtin"]
+
+SYSTEMS: tuple[System, ...] = ("ours", "builtin")
+SYSTEM_LABELS: dict[str, str] = {"ours": "neps_bcast", "builtin": "NePS built-in"}
+
+PAYLOAD_BYTES = (1000, 100_000, 1_000_000)
+"""Sizes of the string each trial carries. The first is the plain runs' payload."""
+
+HANDOFF_GOAL_MS: dict[int, float] = {2: 2.0, 8: 10.0}
+"""Issue 8's goal: median handoff (NePS trial start -> last follower enters), by world size."""
+
+FOLLOWER_CPU_GOAL_PERCENT: dict[int, float] = {2: 1.0}
+"""Follower CPU while the leader holds a trial, % of a core, by world size."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How much of each measurement one run does (field names = keys of the summary's config)."""
+
+    channel_worlds: tuple[int, ...]
+    """World sizes of the channel-alone measurement (no NePS, see channel_bench.py)."""
+    channel_reps: int
+    """Broadcasts per payload size and world size."""
+    hold: float
+    """Seconds the leader holds one trial while the followers wait (follower CPU)."""
+    plain_worlds: tuple[int, ...]
+    """World sizes of the plain-DDP NePS runs (handoff, overhead, follower CPU)."""
+    plain_trials: int
+    sweep_trials: int
+    """Trials of the large-payload runs (100 KB and 1 MB), world 2."""
+    e2e_trials: int
+    """Trials of one end-to-end Lightning ddp run."""
+    e2e_runs: int
+    rel_runs: int
+    """Extra Lightning runs per system that only count completions and leftovers."""
+    rel_trials: int
+    bo_trials: int
+    """Trials of the Bayesian-optimization run (time to sample the next trial)."""
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> BenchConfig:
+        """The inverse of ``dataclasses.asdict`` after a JSON round trip (lists -> tuples)."""
+        return cls(
+            **{
+                name: tuple(value) if isinstance(value, list) else value
+                for name, value in fields.items()
+            }
+        )
+
+
+QUICK = BenchConfig(
+    # Quick fits in < 5 min on 2 cores: every extra rank costs ~10 CPU-s of imports, so
+    # world 8 is measured for the channel only, and NePS-level launches run at world 2.
+    channel_worlds=(2, 8),
+    channel_reps=10,
+    hold=3.0,
+    plain_worlds=(2,),
+    plain_trials=6,
+    sweep_trials=6,
+    e2e_trials=20,
+    e2e_runs=1,
+    rel_runs=1,
+    rel_trials=6,
+    bo_trials=8,
+)
+
+FULL = BenchConfig(
+    # 30 Lightning runs per system in all: 3 end-to-end runs + 27 reliability runs.
+    channel_worlds=(2, 4, 8),
+    channel_reps=100,
+    hold=5.0,
+    plain_worlds=(2, 4, 8),
+    plain_trials=20,
+    sweep_trials=20,
+    e2e_trials=20,
+    e2e_runs=3,
+    rel_runs=27,
+    rel_trials=6,
+    bo_trials=30,
+)
+
+CONFIGS: dict[Mode, BenchConfig] = {"quick": QUICK, "full": FULL}
+
+
+def make_target(mode: Mode) -> str:
+    return "bench" if mode == "quick" else "bench-full"

@@ -1,0 +1,304 @@
+"""Launching and supervising the measured runs: what each section starts, in which order.
+
+Every launch runs under ``_supervise.py`` with a fresh temporary folder, no fixed ports,
+a deadline, and a launch marker in its environment; afterwards nothing carrying the marker
+may survive (the runner kills by PID whatever the supervisor missed). Both systems run in
+the same section one after the other (interleaved), on the same workload. Each launch's
+supervisor record and derived result go to ``results/raw/<launch>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _proc import LAUNCH_MARKER, ROLE_VARIABLE, clean_env, launch_pids, new_launch_id, procfs
+from analysis import channel_latency_ms, cpu_timelines, follower_wait_cpu, trial_timings
+from configuration import HERE, PAYLOAD_BYTES, RAW, SYSTEMS, BenchConfig
+
+Record = dict[str, Any]
+PYTHON = sys.executable
+LOG_TAIL_CHARS = 3000
+
+
+def progress(message: str) -> None:
+    print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------- one launch
+def supervised(
+    name: str,
+    cmd: list[str],
+    *,
+    cwd: Path,
+    deadline_s: float,
+    role: str | None = None,
+    grace_s: float = 5.0,
+    linger_s: float = 2.0,
+) -> Record:
+    """Run ``cmd`` under the supervisor; return the supervisor's record plus the log's tail."""
+    record_path, log_path = cwd / "supervisor.json", cwd / "launch.log"
+    launch_id = new_launch_id(name)
+    env = clean_env(**{LAUNCH_MARKER: launch_id}, **({ROLE_VARIABLE: role} if role else {}))
+    supervisor_cmd = [
+        PYTHON,
+        str(HERE / "_supervise.py"),
+        *("--out", str(record_path), "--log", str(log_path)),
+        *("--deadline", str(deadline_s), "--grace", str(grace_s), "--linger", str(linger_s)),
+        "--",
+        *cmd,
+    ]
+    started = time.monotonic()
+    supervisor = subprocess.Popen(
+        supervisor_cmd, cwd=cwd, env=env, start_new_session=True, stdin=subprocess.DEVNULL
+    )
+    try:
+        supervisor.wait(timeout=deadline_s + grace_s + linger_s + 60)
+    except subprocess.TimeoutExpired:
+        pass
+    # Backstop: nothing of this launch may survive, whatever the supervisor did.
+    stray = launch_pids(launch_id)
+    for pid in stray:
+        procfs.kill(pid)
+    if supervisor.poll() is None:
+        supervisor.wait(timeout=10)
+    if record_path.exists():
+        record: Record = json.loads(record_path.read_text())
+    else:
+        record = {
+            "exit_code": None,
+            "timed_out": True,
+            "left": [],
+            "processes": {},
+            "cpu_at_exit_s": None,
+            "wall_s": time.monotonic() - started,
+            "supervisor_failed": True,
+        }
+    record["stray_killed_by_runner"] = stray
+    record["log_tail"] = (
+        log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if log_path.exists() else ""
+    )
+    record["name"] = name
+    return record
+
+
+def read_timings(folder: Path) -> list[Record]:
+    """Every rank's JSON lines (``rank<r>.jsonl``); a line cut off by a kill is skipped."""
+    rows = []
+    for path in sorted(folder.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return rows
+
+
+def neps_successes(root: Path) -> int:
+    """Trials NePS recorded as successful in its root directory."""
+    csv = root / "summary" / "full.csv"
+    if not csv.exists():
+        return 0
+    import pandas as pd
+
+    return int((pd.read_csv(csv)["state"] == "success").sum())
+
+
+def last_error_line(log_tail: str) -> str:
+    lines = [line for line in log_tail.splitlines() if "Error" in line or "error" in line]
+    return lines[-1].strip()[:200] if lines else ""
+
+
+def save_raw(name: str, supervisor_record: Record, result: Record) -> None:
+    RAW.mkdir(parents=True, exist_ok=True)
+    (RAW / f"{name}.json").write_text(
+        json.dumps({"supervisor": supervisor_record, "result": result})
+    )
+
+
+# ----------------------------------------------------------------------------- workloads
+def measure_channel(world: int, config: BenchConfig, tmp: Path) -> Record:
+    """neps_bcast's channel alone between ``world`` real processes (channel_bench.py)."""
+    name = f"channel_w{world}"
+    folder = tmp / name
+    folder.mkdir()
+    result_path = folder / "channel.json"
+    cmd = [
+        PYTHON,
+        str(HERE / "channel_bench.py"),
+        *("--world", str(world), "--reps", str(config.channel_reps)),
+        *("--payloads", ",".join(map(str, PAYLOAD_BYTES)), "--hold", str(config.hold)),
+        *("--out", str(result_path)),
+    ]
+    record = supervised(name, cmd, cwd=folder, deadline_s=240, role="rank0")
+    data = json.loads(result_path.read_text()) if result_path.exists() else {}
+    save_raw(name, record, data)
+    result = {
+        "ok": bool(data) and record["exit_code"] == 0,
+        "latency_ms": channel_latency_ms(data.get("latency_s", {})),
+        "wait_cpu_per_s": [wait["cpu_s"] / wait["wall_s"] for wait in data.get("wait", [])],
+        "left": len(record["left"]),
+    }
+    progress(f"  channel w={world}: {result['latency_ms']}")
+    return result
+
+
+@dataclass(frozen=True)
+class PlainWorkload:
+    """One plain-DDP NePS search (plain_launch.py + plain_search.py): what it varies."""
+
+    tag: str
+    """Section name: plain, sweep or bo (also the launch's folder prefix)."""
+    trials: int
+    payloads: tuple[int, ...]
+    """Sizes of the string the trials carry (a Categorical choice); () for none."""
+    optimizer: str = "random_search"
+    hold_s: float = 0.0
+    """How long the leader holds the trials in ``hold_trials`` (follower CPU)."""
+    hold_trials: tuple[int, ...] = ()
+
+
+def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -> Record:
+    """One plain-DDP search: handoff and overhead per trial, follower CPU during holds."""
+    name = f"{workload.tag}_{system}_w{world}"
+    folder = tmp / name
+    folder.mkdir()
+    cmd = [
+        PYTHON,
+        str(HERE / "plain_launch.py"),
+        *("--world", str(world), "--system", system),
+        *("--root", str(folder / "root"), "--timings", str(folder / "timings")),
+        *("--trials", str(workload.trials), "--optimizer", workload.optimizer),
+        *("--payloads", ",".join(map(str, workload.payloads))),
+        *("--hold", str(workload.hold_s)),
+        *("--hold-trials", ",".join(map(str, workload.hold_trials))),
+        *("--barrier-timeout", "150"),
+    ]
+    record = supervised(
+        name, cmd, cwd=folder, deadline_s=200 + 20 * workload.trials, role="launcher"
+    )
+    rows = read_timings(folder / "timings")
+    holds = [tuple(row["hold"]) for row in rows if "hold" in row]
+    successes = neps_successes(folder / "root")
+    result = {
+        "system": system,
+        "world": world,
+        "exit_code": record["exit_code"],
+        "timed_out": record["timed_out"],
+        "neps_successes": successes,
+        "trials_wanted": workload.trials,
+        "completed": record["exit_code"] == 0 and successes >= workload.trials,
+        "error": "" if record["exit_code"] == 0 else last_error_line(record["log_tail"]),
+        "trials": trial_timings(rows, "x", world),
+        "wait_cpu_per_s": follower_wait_cpu(record, holds),
+        "holds": holds,
+        "left": record["left"],
+        "killed_at_deadline": record.get("killed_at_deadline", []),
+        "wall_s": record["wall_s"],
+        "cpu_at_exit_s": record["cpu_at_exit_s"],
+    }
+    save_raw(name, record, result)
+    result["timeline"] = cpu_timelines(record)
+    progress(
+        f"  {workload.tag} {system} w={world}: exit={record['exit_code']}"
+        f" ok={result['completed']} trials={successes}/{workload.trials}"
+        f" left={len(record['left'])} {result['error'][:100]}"
+    )
+    return result
+
+
+def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
+    """One Lightning ``strategy="ddp"`` search, devices=2 (lightning_search.py)."""
+    name = f"{tag}_{system}"
+    folder = tmp / name
+    folder.mkdir()
+    cmd = [
+        PYTHON,
+        str(HERE / "lightning_search.py"),
+        *("--system", system, "--trials", str(trials)),
+        *("--root", str(folder / "root"), "--timings", str(folder / "timings")),
+    ]
+    record = supervised(name, cmd, cwd=folder, deadline_s=60 + 15 * trials)
+    successes = neps_successes(folder / "root")
+    left = record["left"]
+    result = {
+        "system": system,
+        "exit_code": record["exit_code"],
+        "timed_out": record["timed_out"],
+        "neps_successes": successes,
+        "trials_wanted": trials,
+        "completed": record["exit_code"] == 0 and not record["timed_out"] and successes >= trials,
+        "error": "" if record["exit_code"] == 0 else last_error_line(record["log_tail"]),
+        "wall_s": record["wall_s"],
+        "cpu_at_exit_s": record["cpu_at_exit_s"],
+        "left": len(left),
+        "left_cpu_per_s": sum(process["cpu_per_wall_s"] for process in left),
+        "killed_at_deadline": len(record.get("killed_at_deadline", [])),
+        "trials": trial_timings(read_timings(folder / "timings"), "lr", 2),
+    }
+    save_raw(name, record, result)
+    result["timeline"] = cpu_timelines(record)
+    progress(
+        f"  {tag} {system}: exit={record['exit_code']} ok={result['completed']}"
+        f" trials={successes}/{trials} wall={record['wall_s']:.1f}s"
+        f" cpu={record['cpu_at_exit_s']} left={len(left)} {result['error'][:100]}"
+    )
+    return result
+
+
+# ----------------------------------------------------------------------------- all sections
+def alternating(run_index: int) -> tuple[str, ...]:
+    """Which system goes first alternates between repeated runs."""
+    return SYSTEMS if run_index % 2 == 0 else SYSTEMS[::-1]
+
+
+def measure_all(config: BenchConfig, tmp: Path) -> Record:
+    """Every section in order; returns the raw results ``analysis.summarize`` reads."""
+    raw: Record = {"plain": {}, "sweep": {}, "e2e": [], "reliability": [], "bo": {}}
+    progress("1/5 neps_bcast channel alone")
+    raw["channel"] = {
+        str(world): measure_channel(world, config, tmp) for world in config.channel_worlds
+    }
+
+    progress("2/5 plain DDP: handoff, overhead, waiting CPU (interleaved)")
+    plain = PlainWorkload(
+        tag="plain",
+        trials=config.plain_trials,
+        payloads=PAYLOAD_BYTES[:1],
+        hold_s=config.hold,
+        hold_trials=(3,),
+    )
+    for world in config.plain_worlds:
+        for system in SYSTEMS:
+            raw["plain"][f"{system}:{world}"] = measure_plain(system, world, plain, tmp)
+    # Big trial arguments in runs of their own: NePS's followers crash on them often
+    # (half-written trial file), which would leave the world-size runs without data.
+    sweep = PlainWorkload(tag="sweep", trials=config.sweep_trials, payloads=PAYLOAD_BYTES[1:])
+    for system in SYSTEMS:
+        raw["sweep"][system] = measure_plain(system, 2, sweep, tmp)
+
+    progress("3/5 end to end, Lightning ddp x2 (interleaved)")
+    for run_index in range(config.e2e_runs):
+        for system in alternating(run_index):
+            raw["e2e"].append(measure_lightning(system, config.e2e_trials, f"e2e{run_index}", tmp))
+
+    progress("4/5 reliability, Lightning ddp x2 (interleaved)")
+    for run_index in range(config.rel_runs):
+        for system in alternating(run_index):
+            raw["reliability"].append(
+                measure_lightning(system, config.rel_trials, f"rel{run_index}", tmp)
+            )
+
+    progress("5/5 Bayesian optimization at world 2 (interleaved)")
+    bayesian = PlainWorkload(
+        tag="bo", trials=config.bo_trials, payloads=(), optimizer="bayesian_optimization"
+    )
+    for system in SYSTEMS:
+        raw["bo"][system] = measure_plain(system, 2, bayesian, tmp)
+    return raw
