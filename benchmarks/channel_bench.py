@@ -3,13 +3,16 @@
     python benchmarks/channel_bench.py --world 4 --reps 50 --out x.json
 
 The leader process serves the store (OS-picked port), starts ``world - 1`` follower
-processes, and every rank joins the ``GlooChannel`` exactly as ``neps_bcast.run`` does.
+processes, and every rank joins the channel exactly as ``neps_bcast.run`` does.
 Per repetition the leader idles ``--gap`` seconds (followers are blocked in the receive),
 reads CLOCK_REALTIME and broadcasts the payload; each follower reads the clock when the
 broadcast returns; an allgather brings the follower times back. Latency = the last
 follower's time minus the leader's. Then the leader holds ``--hold`` seconds while the
 followers wait in the receive, and each follower reports its process CPU time (all
 threads) over that wait.
+
+Everything that touches ``neps_bcast.channel`` is in the section "the channel" below
+(``open_store`` and ``join_channel``): adapt those two when the channel's API changes.
 """
 
 from __future__ import annotations
@@ -21,84 +24,112 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from neps_bcast.channel import GlooChannel, connect_store, serve_store
 
 
+# ----------------------------------------------------------------------------- the channel
+def open_store(address: str) -> tuple[Any, str]:
+    """The leader serves the store (empty ``address``); followers connect to ``address``."""
+    if address:
+        return connect_store(address), address
+    store = serve_store()
+    return store, f"127.0.0.1:{store.port}"
+
+
+@dataclass(frozen=True)
+class Link:
+    """What this benchmark does with a channel, as neps_bcast's leader and followers do."""
+
+    broadcast: Callable[[bytes | None], bytes]
+    """The leader passes the payload, a follower None; every rank gets the payload back."""
+    allgather: Callable[[bytes], list[bytes]]
+    close: Callable[[], None]
+
+
+def join_channel(store: Any, group_rank: int, world: int) -> Link:
+    channel = GlooChannel.join(store, group_rank, world, generation=0)
+    return Link(broadcast=channel.broadcast, allgather=channel.allgather, close=channel.close)
+
+
+# ----------------------------------------------------------------------------- measurement
 def now() -> float:
     return time.clock_gettime(time.CLOCK_REALTIME)
 
 
-def run_rank(channel: GlooChannel, args: argparse.Namespace) -> dict[str, object]:
-    payloads = [int(v) for v in args.payloads.split(",") if v]
-    leader = channel.group_rank == 0
-    samples: dict[str, list[float]] = {}
-    for size in payloads:
-        blob = os.urandom(size)
-        for rep in range(args.reps + 1):  # the first repetition is a warm-up
-            if leader:
+def measure(link: Link, group_rank: int, args: argparse.Namespace) -> dict[str, object]:
+    payload_sizes = [int(size) for size in args.payloads.split(",") if size]
+    is_leader = group_rank == 0
+    latencies: dict[str, list[float]] = {}
+    for size in payload_sizes:
+        payload = os.urandom(size)
+        for repetition in range(args.reps + 1):  # the first repetition is a warm-up
+            if is_leader:
                 time.sleep(args.gap)
-                t0 = now()
-                channel.broadcast(blob)
-                t1 = t0
+                sent_at = now()
+                link.broadcast(payload)
+                received_at = sent_at
             else:
-                channel.broadcast(None)
-                t1 = now()
-            times = channel.allgather(struct.pack("d", t1))
-            if leader and rep > 0:
-                latest = max(struct.unpack("d", t)[0] for t in times[1:])
-                samples.setdefault(str(size), []).append(latest - t0)
+                link.broadcast(None)
+                received_at = now()
+            arrivals = link.allgather(struct.pack("d", received_at))
+            if is_leader and repetition > 0:
+                last_arrival = max(struct.unpack("d", arrival)[0] for arrival in arrivals[1:])
+                latencies.setdefault(str(size), []).append(last_arrival - sent_at)
     # Follower CPU while the leader holds the next trial.
-    c0, w0 = time.process_time(), time.monotonic()
-    if leader:
+    cpu_before, wall_before = time.process_time(), time.monotonic()
+    if is_leader:
         time.sleep(args.hold)
-        channel.broadcast(b"go")
+        link.broadcast(b"go")
     else:
-        channel.broadcast(None)
-    cpu = struct.pack("dd", time.process_time() - c0, time.monotonic() - w0)
-    waits = [struct.unpack("dd", c) for c in channel.allgather(cpu)]
-    channel.broadcast(b"stop" if leader else None)
+        link.broadcast(None)
+    own_wait = struct.pack("dd", time.process_time() - cpu_before, time.monotonic() - wall_before)
+    waits = [struct.unpack("dd", wait) for wait in link.allgather(own_wait)]
+    link.broadcast(b"stop" if is_leader else None)
     return {
-        "latency_s": samples,
-        "wait": [{"rank": r, "cpu_s": c, "wall_s": w} for r, (c, w) in enumerate(waits)][1:],
+        "latency_s": latencies,
+        "wait": [
+            {"rank": rank, "cpu_s": cpu_s, "wall_s": wall_s}
+            for rank, (cpu_s, wall_s) in enumerate(waits)
+        ][1:],
     }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--payloads", default="1000,100000,1000000")
-    p.add_argument("--gap", type=float, default=0.02)
-    p.add_argument("--hold", type=float, default=3.0)
-    p.add_argument("--out", default="")
-    p.add_argument("--rank", type=int, default=0)
-    p.add_argument("--store", default="")
-    args = p.parse_args()
-    if args.rank == 0:
-        store = serve_store()
-        address = f"127.0.0.1:{store.port}"
-        argv = [a for a in sys.argv[1:]]
-        children = [
-            subprocess.Popen(
-                [sys.executable, __file__, *argv, "--rank", str(r), "--store", address],
-                env=dict(os.environ, BENCH_ROLE=f"rank{r}"),
-                stdin=subprocess.DEVNULL,
-            )
-            for r in range(1, args.world)
-        ]
-        channel = GlooChannel.join(store, 0, args.world, generation=0)
-        result = run_rank(channel, args)
-        channel.close()
-        codes = [c.wait(timeout=60) for c in children]
-        result.update(world=args.world, follower_exit_codes=codes)
-        Path(args.out).write_text(json.dumps(result))
-    else:
-        store = connect_store(args.store)
-        channel = GlooChannel.join(store, args.rank, args.world, generation=0)
-        run_rank(channel, args)
-        channel.close()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--payloads", default="1000,100000,1000000")
+    parser.add_argument("--gap", type=float, default=0.02)
+    parser.add_argument("--hold", type=float, default=3.0)
+    parser.add_argument("--out", default="")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--store", default="")
+    args = parser.parse_args()
+    store, address = open_store(args.store)
+    if args.rank != 0:
+        link = join_channel(store, args.rank, args.world)
+        measure(link, args.rank, args)
+        link.close()
+        return
+    followers = [
+        subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], "--rank", str(rank), "--store", address],
+            env=dict(os.environ, BENCH_ROLE=f"rank{rank}"),
+            stdin=subprocess.DEVNULL,
+        )
+        for rank in range(1, args.world)
+    ]
+    link = join_channel(store, 0, args.world)
+    result = measure(link, 0, args)
+    link.close()
+    exit_codes = [follower.wait(timeout=60) for follower in followers]
+    result.update(world=args.world, follower_exit_codes=exit_codes)
+    Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
