@@ -28,7 +28,8 @@ from analysis import summarize
 from configuration import CONFIGS, RAW, RESULTS, Mode
 from measurement import measure_all, progress
 from plots import save_plots
-from report import goal_lines, readme_section, render_report
+from readme_table import readme_section
+from report import goal_lines, render_report
 
 
 def machine_description() -> dict[str, str]:
