@@ -39,21 +39,22 @@ class Tiny(L.LightningModule):
         self.lr = lr
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        inputs, targets = batch
+        return nn.functional.mse_loss(self.net(inputs), targets)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+        inputs, targets = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(inputs), targets), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    return TensorDataset(x, (x[:, :1] * 2.0 + 0.1 * torch.randn(n, 1, generator=g)).float())
+def data(size: int, seed: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(size, 8, generator=generator)
+    noise = 0.1 * torch.randn(size, 1, generator=generator)
+    return TensorDataset(inputs, (inputs[:, :1] * 2.0 + noise).float())
 
 
 class Space(neps.PipelineSpace):
@@ -72,8 +73,8 @@ def evaluate_pipeline(lr: float, hidden: int) -> float:
 
         trial = get_in_progress_trial()
         record.update(trial=trial.id, t_started=trial.metadata.time_started)
-    with (TIMINGS / f"rank{RANK}.jsonl").open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    with (TIMINGS / f"rank{RANK}.jsonl").open("a") as timings:
+        timings.write(json.dumps(record) + "\n")
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -87,8 +88,8 @@ def evaluate_pipeline(lr: float, hidden: int) -> float:
     )
     import neps_bcast
 
-    ctx = neps_bcast.session() if SYSTEM == "ours" else contextlib.nullcontext()
-    with ctx:
+    scope = neps_bcast.session() if SYSTEM == "ours" else contextlib.nullcontext()
+    with scope:
         trainer.fit(
             Tiny(lr, hidden),
             DataLoader(data(256, 0), batch_size=64),
@@ -98,13 +99,13 @@ def evaluate_pipeline(lr: float, hidden: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=("ours", "builtin"), required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--timings", required=True)
-    p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--devices", type=int, default=2)
-    args = p.parse_args()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", choices=("ours", "builtin"), required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--timings", required=True)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--devices", type=int, default=2)
+    args = parser.parse_args()
     # Lightning's child re-runs this script with a copy of this environment.
     os.environ.update(
         BENCH_TIMINGS=args.timings, BENCH_SYSTEM=args.system, BENCH_DEVICES=str(args.devices)

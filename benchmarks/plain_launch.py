@@ -23,16 +23,16 @@ HERE = Path(__file__).parent
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--start-timeout", type=float, default=120.0)
-    args, rest = p.parse_known_args()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--start-timeout", type=float, default=120.0)
+    args, rest = parser.parse_known_args()
     system = rest[rest.index("--system") + 1]
     timings = Path(rest[rest.index("--timings") + 1])
     timings.mkdir(parents=True, exist_ok=True)
@@ -72,14 +72,16 @@ def main() -> None:
         followers = [start(rank) for rank in range(1, args.world)]
     # Like Lightning's process observer: a follower that dies with an error takes the
     # leader down (otherwise the leader would wait for it until its barrier timeout).
-    while (code := leader.poll()) is None:
-        for rank, f in enumerate(followers, start=1):
-            if f.poll() not in (None, 0):
+    while (exit_code := leader.poll()) is None:
+        for rank, follower in enumerate(followers, start=1):
+            if follower.poll() not in (None, 0):
                 leader.kill()
                 leader.wait()
-                sys.exit(f"follower rank {rank} exited with code {f.returncode}: leader killed")
+                sys.exit(
+                    f"follower rank {rank} exited with code {follower.returncode}: leader killed"
+                )
         time.sleep(0.05)
-    sys.exit(code)
+    sys.exit(exit_code)
 
 
 if __name__ == "__main__":

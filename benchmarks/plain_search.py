@@ -34,18 +34,18 @@ def now() -> float:
 
 def log(record: dict[str, object]) -> None:
     path = Path(ARGS.timings) / f"rank{RANK}.jsonl"
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    with path.open("a") as timings:
+        timings.write(json.dumps(record) + "\n")
 
 
 def wait_for_followers(x: float) -> None:
     deadline = time.monotonic() + ARGS.barrier_timeout
     todo = set(range(1, WORLD))
     while todo:
-        for r in sorted(todo):
-            path = Path(ARGS.timings) / f"rank{r}.jsonl"
+        for rank in sorted(todo):
+            path = Path(ARGS.timings) / f"rank{rank}.jsonl"
             if path.exists() and f'"x": {x!r}' in path.read_text():
-                todo.discard(r)
+                todo.discard(rank)
         if not todo:
             return
         if time.monotonic() > deadline:
@@ -63,15 +63,17 @@ def evaluate_pipeline(x: float, payload: str = "") -> float:
         trial = get_in_progress_trial()
         record.update(trial=trial.id, t_started=trial.metadata.time_started)
     log(record)
-    ctx = __import__("neps_bcast").session() if ARGS.system == "ours" else contextlib.nullcontext()
-    with ctx:
+    scope = (
+        __import__("neps_bcast").session() if ARGS.system == "ours" else contextlib.nullcontext()
+    )
+    with scope:
         if RANK == 0:
             COUNT += 1
             wait_for_followers(x)
             if ARGS.hold > 0 and COUNT in ARGS.hold_trials:
-                h0 = now()
+                hold_start = now()
                 time.sleep(ARGS.hold)
-                log({"rank": 0, "hold": [h0, now()], "x": x})
+                log({"rank": 0, "hold": [hold_start, now()], "x": x})
             log({"rank": 0, "x": x, "t_exit": now()})
     return (x - 0.3) ** 2
 
@@ -82,27 +84,30 @@ def space(payloads: list[int]) -> neps.PipelineSpace:
         # The trial's arguments carry a string of this many bytes: the handoff moves it.
         # (A Categorical needs two choices: one size gets two strings of that size.)
         attrs["payload"] = neps.Categorical(
-            tuple("p" * n for n in payloads) + (("q" * payloads[0],) if len(payloads) == 1 else ())
+            tuple("p" * size for size in payloads)
+            + (("q" * payloads[0],) if len(payloads) == 1 else ())
         )
     return type("Space", (neps.PipelineSpace,), attrs)()
 
 
 def main() -> None:
     global ARGS  # noqa: PLW0603
-    p = argparse.ArgumentParser()
-    p.add_argument("--system", choices=("ours", "builtin"), required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--timings", required=True)
-    p.add_argument("--trials", type=int, default=10)
-    p.add_argument("--optimizer", default="random_search")
-    p.add_argument("--payloads", default="")
-    p.add_argument("--hold", type=float, default=0.0)
-    p.add_argument(
-        "--hold-trials", type=lambda s: {int(v) for v in s.split(",") if v}, default=set()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", choices=("ours", "builtin"), required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--timings", required=True)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--optimizer", default="random_search")
+    parser.add_argument("--payloads", default="")
+    parser.add_argument("--hold", type=float, default=0.0)
+    parser.add_argument(
+        "--hold-trials",
+        type=lambda text: {int(trial) for trial in text.split(",") if trial},
+        default=set(),
     )
-    p.add_argument("--barrier-timeout", type=float, default=180.0)
-    ARGS = p.parse_args()
-    payloads = [int(v) for v in ARGS.payloads.split(",") if v]
+    parser.add_argument("--barrier-timeout", type=float, default=180.0)
+    ARGS = parser.parse_args()
+    payloads = [int(size) for size in ARGS.payloads.split(",") if size]
     kwargs = dict(
         pipeline_space=space(payloads),
         root_directory=ARGS.root,
