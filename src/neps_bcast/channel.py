@@ -1,9 +1,14 @@
 """The control channel: the only module that issues control collectives.
 
-A private gloo process group over the leader's own TCP store. It is not registered
-with ``torch.distributed`` as a group, so the user's code (and Lightning) never sees
-it: a ``destroy_process_group()`` in user code does not touch it, its collectives never
+A private gloo process group over the leader's own store. It is not registered with
+``torch.distributed`` as a group, so the user's code (and Lightning) never sees it: a
+``destroy_process_group()`` in user code does not touch it, its collectives never
 interleave with the user's, and it works unchanged when training uses NCCL.
+
+One message is one collective on the wire where it fits: every broadcast sends a
+fixed-size first frame (a length, then as much of the payload as fits); only a payload
+larger than the frame takes a second broadcast for the rest. Reports are gathered the
+same way. (The first release sent the size, then the payload: two round trips.)
 
 Waiting is bounded by the peers being alive, not by a clock: when a peer process dies
 its TCP connections close and a blocked receive fails within milliseconds, while a
@@ -14,23 +19,23 @@ timeout is only a last resort against a peer that is alive but stuck.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
+import struct
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _dist
+from neps_bcast import _torch_compat as tc
+from neps_bcast.store import Keys, prefixed
 
-WAIT_TIMEOUT = datetime.timedelta(
-    seconds=float(os.environ.get("NEPS_BCAST_WAIT_TIMEOUT_S", str(7 * 24 * 3600)))
-)
-"""Last-resort bound on one blocking channel operation while every peer is alive."""
-CONNECT_TIMEOUT = float(os.environ.get("NEPS_BCAST_CONNECT_TIMEOUT_S", "30"))
-"""Bound on reaching the leader's store (it is up before anyone is told its address)."""
-JOIN_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("NEPS_BCAST_JOIN_TIMEOUT_S", "300")))
-"""Bound on the ranks of a group meeting on the channel for the first time."""
+BROADCAST_FRAME = 4096
+"""Bytes of a broadcast's first frame: a trial of usual size travels whole in it."""
+GATHER_FRAME = 512
+"""Bytes per rank of an allgather's first frame: a report without an error fits."""
+_LENGTH = struct.Struct("<Q")
 
 
 class ChannelClosedError(RuntimeError):
@@ -62,27 +67,17 @@ class Channel(Protocol):
     def close(self) -> None: ...
 
 
-def serve_store(timeout: datetime.timedelta = WAIT_TIMEOUT) -> _dist.TCPStore:
-    """Start the leader's store on a port the OS picks (never a fixed port)."""
-    return _dist.TCPStore(
-        "0.0.0.0",  # noqa: S104 - followers on other nodes connect here
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timeout,
-    )
+def _frame(payload: bytes, size: int) -> torch.Tensor:
+    head = _LENGTH.pack(len(payload)) + payload[: size - _LENGTH.size]
+    frame = torch.zeros(size, dtype=torch.uint8)
+    frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return frame
 
 
-def connect_store(address: str, timeout: datetime.timedelta = WAIT_TIMEOUT) -> _dist.TCPStore:
-    """Connect to the leader's store; fails at once when nothing listens there.
-
-    The store is up before its address is handed out, so a refused connection means
-    the leader is gone: without this probe, TCPStore would retry it for ``timeout``.
-    """
-    host, _, port = address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
-        pass
-    return _dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+def _unframe(frame: torch.Tensor) -> tuple[int, bytes]:
+    raw = frame.numpy().tobytes()
+    (length,) = _LENGTH.unpack_from(raw)
+    return length, raw[_LENGTH.size : _LENGTH.size + length]
 
 
 class GlooChannel:
@@ -95,16 +90,16 @@ class GlooChannel:
     @classmethod
     def join(
         cls,
-        store: _dist.Store,
+        store: tc.Store,
         group_rank: int,
         world_size: int,
-        generation: int,
-        join_timeout: datetime.timedelta = JOIN_TIMEOUT,
+        join_timeout: datetime.timedelta,
+        wait_timeout: datetime.timedelta,
     ) -> GlooChannel:
-        """Meet the other ranks on the channel of this generation (blocks until all came)."""
-        prefix = f"neps_bcast/ctl/{generation}"
-        base = _dist.PrefixStore(prefix, store)
-        base.set(f"joined/{group_rank}", f"{socket.gethostname()}:{os.getpid()}")
+        """Meet the other ranks on the channel (blocks until all came, or the bound)."""
+        base = prefixed(Keys.channel(), store)
+        me = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+        base.set(f"joined/{group_rank}", me)
         keys = [f"joined/{r}" for r in range(world_size)]
         try:
             # Blocks in the store server: no polling. A dead leader closes the socket.
@@ -116,55 +111,60 @@ class GlooChannel:
                 raise ChannelClosedError(str(exc)) from exc
             missing = [r for r in range(world_size) if not base.check([f"joined/{r}"])]
             raise JoinTimeoutError(missing, join_timeout) from exc
-        pg = dist.ProcessGroupGloo(
-            _dist.PrefixStore("pg", base), group_rank, world_size, WAIT_TIMEOUT
-        )
+        pg = tc.new_gloo_group(prefixed("pg", base), group_rank, world_size, wait_timeout)
         return cls(pg, group_rank, world_size)
 
-    def _run(self, work: dist.Work) -> None:
+    def _broadcast(self, tensor: torch.Tensor) -> None:
         try:
-            work.wait()
+            tc.gloo_broadcast(self._pg, tensor)
+        except RuntimeError as exc:
+            raise ChannelClosedError(str(exc)) from exc
+
+    def _allgather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        try:
+            tc.gloo_allgather(self._pg, outputs, tensor)
         except RuntimeError as exc:
             raise ChannelClosedError(str(exc)) from exc
 
     def broadcast(self, payload: bytes | None) -> bytes:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
-        self._run(self._pg.broadcast([size], opts))  # type: ignore[attr-defined]
-        n = int(size.item())
-        if payload is not None:
-            data = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if n
-                else torch.empty(0, dtype=torch.uint8)
-            )
-        else:
-            data = torch.empty(n, dtype=torch.uint8)
-        if n:
-            self._run(self._pg.broadcast([data], opts))  # type: ignore[attr-defined]
-        return payload if payload is not None else data.numpy().tobytes()
+        frame = (
+            _frame(payload, BROADCAST_FRAME)
+            if payload is not None
+            else torch.empty(BROADCAST_FRAME, dtype=torch.uint8)
+        )
+        self._broadcast(frame)
+        length, first = _unframe(frame)
+        rest = length - len(first)
+        if rest <= 0:
+            return payload if payload is not None else first
+        tail = (
+            torch.frombuffer(bytearray(payload[len(first) :]), dtype=torch.uint8)
+            if payload is not None
+            else torch.empty(rest, dtype=torch.uint8)
+        )
+        self._broadcast(tail)
+        return payload if payload is not None else first + tail.numpy().tobytes()
 
     def allgather(self, payload: bytes) -> list[bytes]:
-        size = torch.tensor([len(payload)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._run(self._pg.allgather([sizes], [size]))  # type: ignore[attr-defined]
-        longest = max(int(s.item()) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if payload:
-            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        outs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        if longest:
-            self._run(self._pg.allgather([outs], [mine]))  # type: ignore[attr-defined]
-        return [o[: int(s.item())].numpy().tobytes() for o, s in zip(outs, sizes, strict=True)]
+        frames = [torch.empty(GATHER_FRAME, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._allgather(frames, _frame(payload, GATHER_FRAME))
+        parts = [_unframe(f) for f in frames]
+        longest_rest = max(length - len(first) for length, first in parts)
+        if longest_rest <= 0:
+            return [first for _, first in parts]
+        mine = torch.zeros(longest_rest, dtype=torch.uint8)
+        extra = payload[GATHER_FRAME - _LENGTH.size :]
+        if extra:
+            mine[: len(extra)] = torch.frombuffer(bytearray(extra), dtype=torch.uint8)
+        tails = [torch.empty(longest_rest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._allgather(tails, mine)
+        return [
+            first + tail.numpy().tobytes()[: length - len(first)]
+            for (length, first), tail in zip(parts, tails, strict=True)
+        ]
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            abort = getattr(self._pg, "abort", None)
-            if callable(abort):
-                try:
-                    abort()
-                except RuntimeError:
-                    pass
+            tc.close_gloo_group(self._pg)
             del self._pg

@@ -6,6 +6,12 @@ so that a line in any rank's log says where it came from and what to try.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neps_bcast.messages import ErrorRecord
+
 
 class NepsBcastError(RuntimeError):
     """Base class of every error raised by neps_bcast."""
@@ -28,7 +34,16 @@ class TrialMismatchError(NepsBcastError):
 
 
 class TrialFailedError(NepsBcastError):
-    """A rank of the group raised while evaluating the trial; raised on every rank."""
+    """A rank of the group raised while evaluating the trial; raised on every rank.
+
+    ``failures`` holds every rank's failure as a record (``group_rank``, ``type_name``,
+    ``message``, ``traceback``, ``pid``, ``secondary``), root causes first, so code can
+    tell which rank failed without parsing the text.
+    """
+
+    def __init__(self, message: str, failures: Sequence[ErrorRecord] = ()) -> None:
+        super().__init__(message)
+        self.failures: tuple[ErrorRecord, ...] = tuple(failures)
 
 
 class ProtocolError(NepsBcastError):
@@ -49,3 +64,9 @@ def format_message(tag: str, what: str, hint: str | None = None) -> str:
     if hint:
         text += f" HINT: {hint}"
     return text
+
+
+def first_line(exc: BaseException) -> str:
+    """``TypeName: first line of the message``, for one-line logs and error texts."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

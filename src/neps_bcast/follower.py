@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
-from neps_bcast.errors import NepsBcastError
 from neps_bcast.messages import StopMessage, TrialMessage
+from neps_bcast.protocol import evaluate_once
 from neps_bcast.runtime import Runtime
 
 
@@ -22,30 +21,16 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
     while isinstance(message, TrialMessage):
         rt.reform_group()
         rt.log(logging.INFO, "trial %s (#%d) received", message.trial_id, message.seq)
-        error: BaseException | None = None
-        with rt.running(message) as ctx:
-            try:
-                fn(**message.kwargs)
-            except Exception as exc:  # noqa: BLE001 - reported to the leader instead
-                error = exc
-            except BaseException as exc:
-                if ctx.mine is None:
-                    rt.fail(ctx, exc)
-                with contextlib.suppress(NepsBcastError):
-                    rt.end_trial(ctx, exc)
-                raise
-            failures = rt.end_trial(ctx, error)
-        if failures:
+        outcome = evaluate_once(rt, fn, message)
+        if outcome.failures:
             rt.log(
                 logging.INFO,
                 "trial %s failed: %s",
                 message.trial_id,
-                "; ".join(f.headline() for f in failures),
+                "; ".join(f.headline() for f in outcome.failures),
             )
         message = rt.receive()
-    rt.stopping = True
+    rt.link.stopping = True
     rt.log(logging.INFO, "stopping: %s", message.reason)
-    if rt.channel is not None:
-        with contextlib.suppress(Exception):
-            rt.channel.allgather(b"bye")  # the leader exits only after every goodbye
+    rt.say_goodbye()
     rt.close()

@@ -21,16 +21,10 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import LaunchError, format_message
 
 LaunchKind = Literal["single", "lightning_child", "external"]
-
-ENV_LEADER = "NEPS_BCAST_LEADER"
-"""``host:port`` of the leader's control store; set by the leader for Lightning's children."""
-ENV_FIRST_SEQ = "NEPS_BCAST_FIRST_SEQ"
-"""Sequence number of the trial a Lightning child must evaluate first."""
-ENV_LEADER_ADDR = "NEPS_BCAST_LEADER_ADDR"
-"""Optional: the address other nodes use to reach the leader (external launches)."""
 
 
 @dataclass(frozen=True)
@@ -45,10 +39,6 @@ class Launch:
     main_port: int | None = None
     leader_store: str | None = None
     first_seq: int | None = None
-
-    @property
-    def is_leader(self) -> bool:
-        return self.global_rank == 0
 
 
 def _int_env(name: str, env: dict[str, str]) -> int:

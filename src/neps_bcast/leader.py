@@ -11,14 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from neps_bcast import _neps_compat
-from neps_bcast.errors import (
-    FollowerLostError,
-    NepsBcastError,
-    TrialFailedError,
-    format_message,
-)
+from neps_bcast.errors import FollowerLostError, TrialFailedError, format_message
 from neps_bcast.messages import TrialMessage
-from neps_bcast.runtime import Runtime, failure_text
+from neps_bcast.protocol import evaluate_once, failure_text
+from neps_bcast.runtime import Runtime
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""
@@ -55,6 +51,7 @@ def wrap(rt: Runtime, fn: Callable[..., Any], root_directory: Path) -> Callable[
 def evaluate_on_group(
     rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any], root_directory: Path
 ) -> Any:
+    """Hand the trial NePS is evaluating to the group, evaluate it here, end it."""
     info = _neps_compat.current_trial()
     rt.seq += 1
     message = TrialMessage(
@@ -70,38 +67,28 @@ def evaluate_on_group(
     except FollowerLostError as exc:
         _abort(rt, info.trial_id, root_directory, exc)
     rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
-    error: Exception | None = None
-    result: Any = None
-    with rt.running(message) as ctx:
-        try:
-            result = fn(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank, then raised
-            error = exc
-        except BaseException as exc:
-            # Ctrl-C, SIGTERM, sys.exit: record the trial before leaving, never leave
-            # it "evaluating" in NePS's state.
-            if ctx.mine is None:
-                rt.fail(ctx, exc)
-            with contextlib.suppress(NepsBcastError):
-                rt.end_trial(ctx, exc)  # keeps the followers in step for the STOP
-            _neps_compat.record_crashed(
-                info.trial_id,
-                root_directory,
-                RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
-            )
-            rt.settled.set()
-            raise
-        try:
-            failures = rt.end_trial(ctx, error)
-        except FollowerLostError as exc:
-            _abort(rt, info.trial_id, root_directory, exc)
-    if failures:
+    try:
+        outcome = evaluate_once(rt, fn, message)
+    except FollowerLostError as exc:
+        _abort(rt, info.trial_id, root_directory, exc)
+    except BaseException as exc:
+        # Ctrl-C, SIGTERM, sys.exit: record the trial before leaving, never leave it
+        # "evaluating" in NePS's state.
+        _neps_compat.record_crashed(
+            info.trial_id,
+            root_directory,
+            RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
+        )
+        rt.settled.set()
+        raise
+    if outcome.failures:
         raise TrialFailedError(
-            format_message(rt.tag, failure_text(failures, message.trial_id))
-        ) from error
-    if error is not None:
-        raise error
-    return result
+            format_message(rt.tag, failure_text(outcome.failures, message.trial_id)),
+            failures=outcome.failures,
+        ) from outcome.error
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.result
 
 
 def _abort(rt: Runtime, trial_id: str, root_directory: Path, exc: FollowerLostError) -> None:
@@ -118,10 +105,10 @@ def let_leader_record(rt: Runtime, root_directory: Path) -> None:
     if rt.settled.wait(RECORD_GRACE_S):
         time.sleep(RECORD_GRACE_S)  # recorded: it is leaving; kill only if it hangs
         return
-    ctx = rt.current
-    if ctx is None:
+    run = rt.current
+    if run is None:
         return
     error = rt.lost(RuntimeError("Lightning's process observer is ending the launch"))
     rt.log(logging.ERROR, "%s", error)
     with contextlib.suppress(Exception):
-        _neps_compat.record_crashed(ctx.message.trial_id, root_directory, error)
+        _neps_compat.record_crashed(run.message.trial_id, root_directory, error)

@@ -1,17 +1,22 @@
 """What the ranks of a group say to each other, and how it is encoded.
 
-The leader sends a ``TrialMessage`` per trial and one ``StopMessage`` at the end.
-At fixed points of a trial every rank contributes a ``Report``; the kind of the
-point (``Phase``) travels with it so that ranks at different points are detected
-instead of exchanging garbage.
+The leader sends a ``TrialMessage`` per trial and one ``StopMessage`` at the end. At
+fixed points of a trial every rank contributes a ``Report``; its ``Phase`` travels with
+it, so ranks at different points are detected instead of exchanging garbage.
+
+Encoding: one kind byte, a JSON header, and for a trial only, the pickled keyword
+arguments of the user's function. Control records (stop, reports, errors) are plain
+data: nothing but a trial's own arguments is ever unpickled.
 """
 
 from __future__ import annotations
 
+import json
 import pickle
+import struct
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,6 @@ class Phase(str, Enum):
     """The point of a trial at which a ``Report`` is exchanged."""
 
     SESSION_ENTER = "session-enter"
-    SESSION_EXIT = "session-exit"
     TRIAL_END = "trial-end"
 
 
@@ -51,7 +55,6 @@ class ErrorRecord:
     traceback: str
     timestamp: float
     pid: int = 0
-    exit_code: int | None = None
     secondary: bool = False
     """True for an error caused by another rank's failure (a peer closed the group)."""
 
@@ -67,6 +70,31 @@ class ErrorRecord:
     def headline(self) -> str:
         return f"rank {self.group_rank}: {self.type_name}: {self.message}"
 
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_dict(cls, raw: object) -> ErrorRecord:
+        if not isinstance(raw, dict):
+            raise ValueError(f"an error record must be an object, got {type(raw).__name__}")
+        return cls(
+            group_rank=_typed(raw, "group_rank", int),
+            type_name=_typed(raw, "type_name", str),
+            message=_typed(raw, "message", str),
+            traceback=_typed(raw, "traceback", str),
+            timestamp=float(_typed(raw, "timestamp", (int, float))),
+            pid=_typed(raw, "pid", int),
+            secondary=_typed(raw, "secondary", bool),
+        )
+
+    @classmethod
+    def from_json(cls, payload: bytes) -> ErrorRecord | None:
+        """The record, or None for anything that is not one (never executes anything)."""
+        try:
+            return cls.from_dict(json.loads(payload.decode()))
+        except (ValueError, UnicodeDecodeError):
+            return None
+
 
 @dataclass(frozen=True)
 class Report:
@@ -75,30 +103,114 @@ class Report:
     seq: int
     trial_id: str
     error: ErrorRecord | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 Message = TrialMessage | StopMessage | Report
 
+_HEAD = struct.Struct(">cI")  # kind, header length
+_TRIAL, _STOP, _REPORT = b"T", b"S", b"R"
+
+
+def _typed(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = raw.get(name)
+    if not isinstance(value, kind):
+        raise ValueError(f"field {name!r} has the wrong type")
+    return value
+
+
+def _frame(kind: bytes, header: dict[str, Any], body: bytes = b"") -> bytes:
+    head = json.dumps(header).encode()
+    return _HEAD.pack(kind, len(head)) + head + body
+
 
 def encode(message: Message, *, tag: str) -> bytes:
-    """Pickle a message; name the argument that cannot be sent if that fails."""
+    """The bytes of a message; names the argument that cannot be sent if that fails."""
+    if isinstance(message, StopMessage):
+        return _frame(_STOP, {"reason": message.reason})
+    if isinstance(message, Report):
+        error = asdict(message.error) if message.error is not None else None
+        header = {
+            "group_rank": message.group_rank,
+            "phase": message.phase.value,
+            "seq": message.seq,
+            "trial_id": message.trial_id,
+            "error": error,
+        }
+        return _frame(_REPORT, header)
+    header = {
+        "seq": message.seq,
+        "trial_id": message.trial_id,
+        "pipeline_directory": _path_text(message.pipeline_directory),
+        "previous_pipeline_directory": _path_text(message.previous_pipeline_directory),
+    }
+    return _frame(_TRIAL, header, _pickle_arguments(message, tag))
+
+
+def decode(payload: bytes, *, tag: str) -> Message:
     try:
-        return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        culprit = ""
-        if isinstance(message, TrialMessage):
-            for name, value in message.kwargs.items():
-                try:
-                    pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-                except Exception:  # noqa: BLE001 - find the culprit
-                    culprit = f" argument {name!r} ({type(value).__qualname__})"
-                    break
+        kind, size = _HEAD.unpack_from(payload)
+        header = json.loads(payload[_HEAD.size : _HEAD.size + size].decode())
+        body = payload[_HEAD.size + size :]
+        if kind == _STOP:
+            return StopMessage(_typed(header, "reason", str))
+        if kind == _REPORT:
+            error = header.get("error")
+            return Report(
+                group_rank=_typed(header, "group_rank", int),
+                phase=Phase(_typed(header, "phase", str)),
+                seq=_typed(header, "seq", int),
+                trial_id=_typed(header, "trial_id", str),
+                error=ErrorRecord.from_dict(error) if error is not None else None,
+            )
+        if kind != _TRIAL:
+            raise ValueError(f"unknown message kind {kind!r}")
+        kwargs = _unpickle_arguments(body, tag)
+        return TrialMessage(
+            seq=_typed(header, "seq", int),
+            trial_id=_typed(header, "trial_id", str),
+            kwargs=kwargs,
+            pipeline_directory=_path(header.get("pipeline_directory")),
+            previous_pipeline_directory=_path(header.get("previous_pipeline_directory")),
+        )
+    except MessageError:
+        raise
+    except (ValueError, struct.error, UnicodeDecodeError) as exc:
         raise MessageError(
             format_message(
                 tag,
-                f"cannot send{culprit or ' the message'} to the other ranks:"
-                f" {type(exc).__name__}: {exc}.",
+                f"cannot read a message from another rank: {type(exc).__name__}: {exc}.",
+                "every rank must run the same neps_bcast version.",
+            )
+        ) from exc
+
+
+def _path_text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _path(raw: object) -> Path | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ValueError("a directory must be a string")
+    return Path(raw)
+
+
+def _pickle_arguments(message: TrialMessage, tag: str) -> bytes:
+    try:
+        return pickle.dumps(message.kwargs, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        culprit = " the arguments"
+        for name, value in message.kwargs.items():
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception:  # noqa: BLE001 - find the culprit
+                culprit = f" argument {name!r} ({type(value).__qualname__})"
+                break
+        raise MessageError(
+            format_message(
+                tag,
+                f"cannot send{culprit} to the other ranks: {type(exc).__name__}: {exc}.",
                 "every argument of evaluate_pipeline must be picklable (plain values,"
                 " or functions and classes importable by module path); for a"
                 " PipelineSpace Operation, give its operator as a string or a"
@@ -107,18 +219,18 @@ def encode(message: Message, *, tag: str) -> bytes:
         ) from exc
 
 
-def decode(payload: bytes, *, tag: str) -> Message:
+def _unpickle_arguments(body: bytes, tag: str) -> dict[str, Any]:
     try:
-        message = pickle.loads(payload)  # noqa: S301 - only our own group's ranks send
+        kwargs = pickle.loads(body)  # noqa: S301 - only the trial's own arguments
     except Exception as exc:
         raise MessageError(
             format_message(
                 tag,
-                f"cannot read a message from the leader: {type(exc).__name__}: {exc}.",
+                f"cannot read the trial's arguments from the leader: {type(exc).__name__}: {exc}.",
                 "every rank must run the same code and the same library versions"
                 " (a class in a trial argument must be importable on every rank).",
             )
         ) from exc
-    if not isinstance(message, TrialMessage | StopMessage | Report):
-        raise MessageError(format_message(tag, f"unexpected message {type(message)!r}."))
-    return message
+    if not isinstance(kwargs, dict):
+        raise MessageError(format_message(tag, f"unexpected trial arguments {type(kwargs)!r}."))
+    return kwargs

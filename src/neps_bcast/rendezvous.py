@@ -23,13 +23,11 @@ import datetime
 import json
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import _dist
-from neps_bcast.channel import JOIN_TIMEOUT
+from neps_bcast import _torch_compat as tc
 from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.launch import Launch
 
@@ -43,16 +41,6 @@ FINGERPRINT_KWARGS = (
 """The ``neps.run`` arguments that must agree on every rank (plus the space and function)."""
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-@dataclass(frozen=True)
-class Meeting:
-    """What the ranks learned when they met."""
-
-    store: _dist.Store
-    """The launcher's rendezvous store (client or, on rank 0 outside torchrun, server)."""
-    prefix: str
-    """Key prefix of this launch attempt on that store."""
 
 
 def _describe(value: Any) -> str:
@@ -94,14 +82,14 @@ def fingerprint(
     return found
 
 
-def rendezvous_store(launch: Launch, timeout: datetime.timedelta = JOIN_TIMEOUT) -> _dist.Store:
+def rendezvous_store(launch: Launch, timeout: datetime.timedelta) -> tc.Store:
     """The store every rank of this launch can reach (see the module docstring)."""
     assert launch.main_address is not None
     assert launch.main_port is not None
     use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_server = launch.global_rank == 0 and not use_agent_store
     try:
-        return _dist.TCPStore(
+        return tc.TCPStore(
             launch.main_address,
             launch.main_port,
             is_master=is_server,
@@ -136,11 +124,14 @@ def rendezvous_store(launch: Launch, timeout: datetime.timedelta = JOIN_TIMEOUT)
 
 def meet(
     launch: Launch,
-    store: _dist.Store,
+    store: tc.Store,
     mine: dict[str, str],
-    timeout: datetime.timedelta = JOIN_TIMEOUT,
-) -> Meeting:
-    """Check in, wait (bounded) for every rank, and compare fingerprints."""
+    timeout: datetime.timedelta,
+) -> str:
+    """Check in, wait (bounded) for every rank, and compare fingerprints.
+
+    Returns the key prefix of this launch attempt on the rendezvous store.
+    """
     assert launch.world_size is not None
     world = launch.world_size
     attempt = "/".join(
@@ -150,7 +141,7 @@ def meet(
         )
     )
     prefix = f"neps_bcast/meet/{attempt}"
-    base = _dist.PrefixStore(prefix, store)
+    base = tc.PrefixStore(prefix, store)
     base.set(f"in/{launch.global_rank}", json.dumps({"pid": os.getpid(), **mine}))
     _wait_all(
         launch,
@@ -191,12 +182,12 @@ def meet(
                 " check per-rank environment variables and command lines.",
             )
         )
-    return Meeting(store, prefix)
+    return prefix
 
 
 def _wait_all(
     launch: Launch,
-    base: _dist.Store,
+    base: tc.Store,
     what: str,
     timeout: datetime.timedelta,
     *,

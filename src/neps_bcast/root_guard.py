@@ -35,19 +35,19 @@ from typing import IO, Any
 from neps_bcast import _log, _neps_compat
 from neps_bcast.errors import LaunchError, format_message
 
-ENV_LOCK_TIMEOUT = "NEPS_BCAST_ROOT_LOCK_TIMEOUT_S"
-"""Bound on waiting for another worker to finish creating the root (default 600 s)."""
-
 
 class RootGuard:
-    def __init__(self, root_directory: str | os.PathLike[str], tag: str) -> None:
+    def __init__(
+        self, root_directory: str | os.PathLike[str], tag: str, timeout_s: float = 600.0
+    ) -> None:
         self.root = Path(root_directory)
         self.lock_path = self.root.parent / f".{self.root.name}.neps_bcast.lock"
         self.tag = tag
+        self.timeout_s = timeout_s
         self._file: IO[bytes] | None = None
 
     def acquire(self) -> None:
-        timeout = float(os.environ.get(ENV_LOCK_TIMEOUT, "600"))
+        timeout = self.timeout_s
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
         handle = self.lock_path.open("ab")
         deadline = time.monotonic() + timeout
@@ -65,7 +65,7 @@ class RootGuard:
                             f"another NePS worker has held {self.lock_path} for more than"
                             f" {timeout:.0f} s while starting on {self.root}; expected it to"
                             " release the lock once NePS gave it its first trial.",
-                            f"see that worker's log (it may be stuck); raise {ENV_LOCK_TIMEOUT}"
+                            "see that worker's log (it may be stuck); raise NEPS_BCAST_ROOT_LOCK_TIMEOUT_S"
                             " if creating the root is legitimately slow.",
                         )
                     ) from None

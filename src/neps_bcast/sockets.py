@@ -1,34 +1,77 @@
-"""Find and shut the TCP connections of the user's gloo group in this process.
+"""The TCP connections of processes on this host, read from ``/proc``, and shutting them.
 
 Why: a rank that raises while its peers wait in a DDP collective must release them.
 Destroying the process group is not enough: DDP's reducer keeps the gloo group (and
-its connections) alive until the process exits, and gloo's ``abort()`` does not
-cancel a pending operation (both measured here, torch 2.13). Shutting the group's
-sockets makes every peer's pending collective fail within milliseconds with gloo's
-"Connection closed by peer", exactly as if this rank had died, while this process
-lives on to report the error and to join the next trial on a fresh group.
-
-The group's sockets are told apart from everything else as the TCP connections that
-appeared while the group was being formed, minus neps_bcast's own store and channel.
+its connections) alive until the process exits, and gloo's ``abort()`` does not cancel
+a pending operation (measured, torch 2.13 and 2.14). Shutting the group's connections
+makes every peer's pending collective fail within milliseconds with gloo's "Connection
+closed by peer", exactly as if this rank had died, while this process lives on to
+report the error and to join the next trial on a fresh group. Which connections are
+the group's is decided in ``group.py``; this module only reads and shuts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
-_ESTABLISHED = "01"
+Endpoint = tuple[str, int]
+"""(IP address as text, port); IPv4-mapped IPv6 addresses are given as IPv4."""
+
+ESTABLISHED = "01"
+LISTEN = "0A"
 
 
-def socket_inodes() -> dict[int, int]:
-    """inode -> fd for every socket this process holds."""
+@dataclass(frozen=True)
+class TcpSocket:
+    inode: int
+    local: Endpoint
+    remote: Endpoint
+    state: str
+
+
+def _endpoint(text: str) -> Endpoint:
+    address, port = text.split(":")
+    raw = bytes.fromhex(address)
+    # /proc prints each 32-bit word in host (little-endian) order.
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(words)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port, 16)
+
+
+def tcp_table() -> dict[int, TcpSocket]:
+    """Every TCP socket of this network namespace, by inode."""
+    found: dict[int, TcpSocket] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[9] != "0":
+                inode = int(fields[9])
+                found[inode] = TcpSocket(
+                    inode, _endpoint(fields[1]), _endpoint(fields[2]), fields[3]
+                )
+    return found
+
+
+def socket_inodes(pid: int | None = None) -> dict[int, int]:
+    """inode -> fd for every socket a process holds (this one by default)."""
     found: dict[int, int] = {}
-    fd_dir = Path("/proc/self/fd")
-    if not fd_dir.is_dir():
+    fd_dir = Path(f"/proc/{'self' if pid is None else pid}/fd")
+    try:
+        entries = list(fd_dir.iterdir())
+    except OSError:
         return found
-    for entry in fd_dir.iterdir():
+    for entry in entries:
         try:
             target = str(entry.readlink())
         except OSError:
@@ -38,38 +81,13 @@ def socket_inodes() -> dict[int, int]:
     return found
 
 
-def established_tcp() -> dict[int, int]:
-    """inode -> local port of every established TCP connection on this machine."""
-    result: dict[int, int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == _ESTABLISHED:
-                result[int(fields[9])] = int(fields[1].rsplit(":", 1)[1], 16)
-    return result
-
-
-def socket_set() -> set[int]:
-    """Inodes of every socket this process holds: cheap (no /proc/net read)."""
-    return set(socket_inodes())
-
-
-def tcp_among(inodes: set[int]) -> set[int]:
-    """The established TCP connections among ``inodes``."""
-    return {inode for inode in established_tcp() if inode in inodes}
-
-
-def connections_on_port(port: int) -> set[int]:
-    mine = socket_inodes()
-    return {inode for inode, local in established_tcp().items() if local == port and inode in mine}
+def listening(table: dict[int, TcpSocket], inodes: set[int] | dict[int, int]) -> set[Endpoint]:
+    """The listening endpoints among ``inodes``."""
+    return {table[i].local for i in inodes if i in table and table[i].state == LISTEN}
 
 
 def shutdown(inodes: set[int]) -> int:
-    """Shut the given connections both ways; returns how many were shut."""
+    """Shut the given connections of this process both ways; returns how many."""
     count = 0
     for inode, fd in socket_inodes().items():
         if inode not in inodes:

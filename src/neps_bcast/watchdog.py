@@ -4,17 +4,18 @@ Why: a follower is not always blocked on neps_bcast's channel when its leader di
 A Lightning child may be in Lightning's own rendezvous (``init_process_group`` on the
 leader's ``MASTER_PORT``), which retries a dead address for the group timeout (30
 minutes), and an NCCL collective may wait for its own timeout. The watch is a thread
-blocked (no polling) on a key of the leader's store: the leader's
-store lives in the leader process, so when that process dies the wait fails at once.
-(The leader sets the key when the search is over, so a normal end is quiet.)
-The follower's own code then gets a short grace period to raise ``LeaderLostError``
-itself; if it is still running after it, the watch ends the process with exit code 1.
+blocked (no polling) on a key of the leader's store: the leader's store lives in the
+leader process, so when that process dies the wait fails at once. (The leader sets the
+key when the search is over, so a normal end is quiet.) The follower's own code then
+gets a short grace period to raise ``LeaderLostError`` itself; if it is still running
+after it, the watch ends the process with exit code 1.
 
 Waiting is bounded by the leader being alive, not by a clock.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
@@ -22,32 +23,39 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from neps_bcast import _dist, _log
-from neps_bcast.channel import WAIT_TIMEOUT, connect_store
+from neps_bcast import _log, store
+from neps_bcast._torch_compat import Store, set_bytes
+from neps_bcast.config import Settings
 
 GRACE_S = 3.0
 """Time the follower's own code gets to notice the loss before the watch ends it."""
 
 
-def released_key(group_rank: int) -> str:
-    """Set by the leader when it stops its followers, or by the follower when it leaves:
-    the watch then ends quietly (a thread still blocked in the store's C++ wait when the
-    interpreter exits aborts the process: "terminate called without an active exception")."""
-    return f"neps_bcast/watch/released/{group_rank}"
-
-
 class LeaderWatch:
-    """The watch thread of one follower; ``release()`` ends it."""
+    """The watch thread of one follower; ``release()`` ends it.
+
+    The key it waits on is set by the leader when it stops its followers, or by the
+    follower when it leaves: a thread still blocked in the store's C++ wait when the
+    interpreter exits aborts the process ("terminate called without an active
+    exception").
+    """
 
     def __init__(
-        self, address: str, group_rank: int, tag: Callable[[], str], is_done: Callable[[], bool]
+        self,
+        address: str,
+        group_rank: int,
+        tag: Callable[[], str],
+        is_done: Callable[[], bool],
+        settings: Settings,
     ) -> None:
         self.address = address
         self.group_rank = group_rank
         self._tag = tag
         self._is_done = is_done
         self._released = threading.Event()
-        self._store = connect_store(address)  # before returning: a dead leader raises here
+        self._timeout = datetime.timedelta(seconds=settings.wait_timeout_s)
+        # Before returning: a dead leader raises here.
+        self._store = store.connect(address, self._timeout, settings.connect_timeout_s)
         self.thread = threading.Thread(
             target=self._run, name="neps_bcast-leader-watch", daemon=True
         )
@@ -56,7 +64,7 @@ class LeaderWatch:
     def _run(self) -> None:
         while True:
             try:
-                self._store.wait([released_key(self.group_rank)], WAIT_TIMEOUT)
+                self._store.wait([store.Keys.released(self.group_rank)], self._timeout)
             except dist.DistStoreError as exc:
                 if "timeout" in str(exc).lower():
                     continue  # the leader is alive, only quiet for a long time
@@ -81,11 +89,11 @@ class LeaderWatch:
             handler.flush()
         os._exit(1)
 
-    def release(self, store: _dist.Store) -> None:
+    def release(self, leader_store: Store) -> None:
         """Follower leaving: end the watch before the interpreter exits."""
         self._released.set()
         try:
-            store.set(released_key(self.group_rank), b"1")  # type: ignore[arg-type]  # stubs say str; bytes work
+            set_bytes(leader_store, store.Keys.released(self.group_rank), b"1")
         except Exception:  # noqa: BLE001, S110 - the leader is gone: the wait ended already
             pass
         self.thread.join(timeout=5.0)

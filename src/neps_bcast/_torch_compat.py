@@ -1,0 +1,88 @@
+"""Every torch name neps_bcast uses beyond ``torch.distributed``'s public functions.
+
+``tests/test_torch_compat.py`` fails loudly when a torch release changes one of them.
+
+- The store classes live in the C module's stubs: ``torch.distributed`` re-exports them
+  only when distributed support is compiled in, so type checkers do not see them there.
+- The control channel is a raw ``ProcessGroupGloo`` that is never registered with
+  c10d, so user code and Lightning cannot see it or destroy it.
+- An NCCL group is aborted with the private ``_abort_process_group``.
+- Whether an error was caused by a peer leaving is told from gloo's and c10d's texts.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+
+__all__ = [
+    "PEER_CLOSED_MARKERS",
+    "PrefixStore",
+    "Store",
+    "TCPStore",
+    "abort_nccl",
+    "close_gloo_group",
+    "gloo_allgather",
+    "gloo_broadcast",
+    "is_peer_closed",
+    "new_gloo_group",
+    "set_bytes",
+]
+
+PEER_CLOSED_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "not initialized",
+    "has been destroyed",
+    "NCCL communicator was aborted",
+)
+"""Texts of the errors a rank sees when a peer closed the group (gloo, c10d, NCCL)."""
+
+
+def is_peer_closed(exc: BaseException) -> bool:
+    """Was this error caused by a peer leaving the group (not a failure of its own)?"""
+    text = f"{type(exc).__name__}: {exc}"
+    return any(marker in text for marker in PEER_CLOSED_MARKERS)
+
+
+def set_bytes(store: Store, key: str, value: bytes) -> None:
+    """``Store.set`` with a bytes value (the stubs say str; the C++ side takes bytes)."""
+    store.set(key, value)  # type: ignore[arg-type]  # see the docstring
+
+
+def new_gloo_group(
+    store: Store, group_rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.ProcessGroupGloo:
+    """A gloo group that c10d does not know about (never the default or a named group)."""
+    return dist.ProcessGroupGloo(store, group_rank, world_size, timeout)
+
+
+def gloo_broadcast(pg: dist.ProcessGroupGloo, tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` in place from group rank 0; raises RuntimeError on failure."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # missing in the stubs
+
+
+def gloo_allgather(
+    pg: dist.ProcessGroupGloo, outputs: list[torch.Tensor], tensor: torch.Tensor
+) -> None:
+    pg.allgather([outputs], [tensor]).wait()  # type: ignore[attr-defined]  # missing in the stubs
+
+
+def close_gloo_group(pg: dist.ProcessGroupGloo) -> None:
+    abort = getattr(pg, "abort", None)
+    if callable(abort):
+        try:
+            abort()
+        except RuntimeError:
+            pass
+
+
+def abort_nccl() -> None:
+    """Abort every NCCL communicator of this process (releases peers blocked in NCCL)."""
+    dist.distributed_c10d._abort_process_group()

@@ -1,0 +1,105 @@
+"""Every ``NEPS_BCAST_*`` environment variable, read at call time into one frozen object.
+
+Why one module: a setting read at import time cannot be changed by a test or a user
+after ``import neps_bcast``, and a name spelled in two modules drifts. Each variable is
+listed once in ``VARIABLES`` (name, meaning, default); README's table is this list.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from neps_bcast.errors import LaunchError, format_message
+
+ENV_LEADER = "NEPS_BCAST_LEADER"
+"""Internal: ``host:port`` of the leader's store, set by the leader for Lightning's children."""
+ENV_FIRST_SEQ = "NEPS_BCAST_FIRST_SEQ"
+"""Internal: sequence number of the trial a Lightning child evaluates first."""
+INTERNAL = (ENV_LEADER, ENV_FIRST_SEQ)
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str
+    field: str
+    default: str | None
+    meaning: str
+
+
+VARIABLES = (
+    Variable(
+        "NEPS_BCAST_JOIN_TIMEOUT_S",
+        "join_timeout_s",
+        "300",
+        "how long ranks wait for each other to start (and to reach the channel)",
+    ),
+    Variable(
+        "NEPS_BCAST_WAIT_TIMEOUT_S",
+        "wait_timeout_s",
+        str(7 * 24 * 3600),
+        "last-resort bound on one control-channel wait while every peer is alive",
+    ),
+    Variable(
+        "NEPS_BCAST_CONNECT_TIMEOUT_S",
+        "connect_timeout_s",
+        "30",
+        "bound on reaching the leader's store once its address is known",
+    ),
+    Variable(
+        "NEPS_BCAST_ROOT_LOCK_TIMEOUT_S",
+        "root_lock_timeout_s",
+        "600",
+        "bound on waiting for another worker to finish creating the NePS root",
+    ),
+    Variable(
+        "NEPS_BCAST_BACKEND",
+        "backend",
+        None,
+        "backend of the group neps_bcast forms for external launches (default: nccl"
+        " with GPUs, else gloo)",
+    ),
+    Variable(
+        "NEPS_BCAST_LEADER_ADDR",
+        "leader_addr",
+        None,
+        "address other nodes use to reach the leader (default: the address that routes"
+        " to MASTER_ADDR)",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    join_timeout_s: float = 300.0
+    wait_timeout_s: float = 7 * 24 * 3600.0
+    connect_timeout_s: float = 30.0
+    root_lock_timeout_s: float = 600.0
+    backend: str | None = None
+    leader_addr: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        types = {f.name: f.type for f in fields(cls)}
+        values: dict[str, float | str | None] = {}
+        for var in VARIABLES:
+            raw = env.get(var.name) or var.default
+            if raw is None or types[var.field] != "float":
+                values[var.field] = raw
+                continue
+            try:
+                seconds = float(raw)
+            except ValueError:
+                seconds = -1.0
+            if not seconds > 0:
+                raise LaunchError(
+                    format_message(
+                        "neps_bcast settings",
+                        f"{var.name}={raw!r} is not a positive number of seconds.",
+                        f"unset {var.name} (default {var.default}) or set it to seconds, e.g. 60.",
+                    )
+                )
+            values[var.field] = seconds
+        return cls(**values)  # type: ignore[arg-type]  # each value has its field's type

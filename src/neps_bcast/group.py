@@ -1,0 +1,168 @@
+"""The user's DDP group as this rank sees it: observe, validate, release, re-form.
+
+The group belongs to the user's code (Lightning, Fabric, a plain DDP loop): neps_bcast
+only learns its size, rank and backend while it exists, releases it when a rank fails
+(so that peers blocked in its collectives fail at once instead of after the group
+timeout), and forms it again before the next trial on the leader's store.
+
+Releasing exactly the group. A gloo pair is one TCP connection between two ranks of the
+group, to a listening port of one of them; DDP keeps the group alive while it is
+referenced, so destroying it does not close them (see ``sockets``). The connections
+shut are therefore those that lead to another rank's process:
+
+- a peer on this host: the remote end of the connection is a socket held by the peer's
+  process (read from ``/proc``), whenever and by whomever the group was formed (a
+  ``new_group`` inside the trial, gloo's lazy connections included);
+- a peer on another host: the remote end is a listening endpoint the peer published when
+  it joined, or the connection came in on a listening port of this process from the
+  peer's host.
+
+Never shut: neps_bcast's own store, watch and channel connections (recorded when they
+are made), and every connection to anything that is not a rank of this group (the
+user's database, tracker, or anything opened before or during the trial).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import traceback
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+
+from neps_bcast import _log, _torch_compat, sockets
+from neps_bcast.errors import ProtocolError, format_message
+from neps_bcast.peers import Peer
+from neps_bcast.store import Keys, prefixed
+
+
+def group_connections(
+    peers: Iterable[Peer], own: set[int], exclude_local_ports: set[int]
+) -> set[int]:
+    """Inodes of this process's established connections to the processes of ``peers``."""
+    table = sockets.tcp_table()
+    mine = sockets.socket_inodes()
+    remote_ends: set[sockets.Endpoint] = set()
+    remote_hosts: set[str] = set()
+    for peer in peers:
+        if peer.is_here:
+            for inode in sockets.socket_inodes(peer.pid):
+                entry = table.get(inode)
+                if entry is not None:
+                    remote_ends.add(entry.local)
+        else:
+            remote_ends.update(peer.listen)
+            remote_hosts.update(ip for ip, _ in peer.listen)
+    my_listen_ports = {port for _, port in sockets.listening(table, mine)}
+    found = set()
+    for inode in mine:
+        entry = table.get(inode)
+        if inode in own or entry is None or entry.state != sockets.ESTABLISHED:
+            continue
+        if entry.local[1] in exclude_local_ports:
+            continue
+        accepted_from_peer_host = (
+            entry.local[1] in my_listen_ports and entry.remote[0] in remote_hosts
+        )
+        if entry.remote in remote_ends or accepted_from_peer_host:
+            found.add(inode)
+    return found
+
+
+class UserGroup:
+    """What this rank knows of the user's group, and the three things done to it."""
+
+    def __init__(self, group_rank: int, world_size: int | None, tag: Callable[[], str]) -> None:
+        self.group_rank = group_rank
+        self.world_size = world_size
+        """``None`` until the group exists (a Lightning leader before its first fit)."""
+        self.backend: str | None = None
+        self.broken = False
+        self.generation = 0
+        self._tag = tag
+
+    @staticmethod
+    def exists() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def observe(self, *, fixed_size: bool, single: bool) -> None:
+        """Learn the size, rank and backend of the user's group while it exists.
+
+        ``fixed_size``: the search already runs on a known number of ranks, and a group
+        of another size is an error. ``single``: a single-process launch, whose function
+        may start a group of its own (``ddp_spawn``) where this process is rank 0.
+        """
+        if not self.exists():
+            return
+        size, rank = dist.get_world_size(), dist.get_rank()
+        if fixed_size and self.world_size is not None and size != self.world_size:
+            raise ProtocolError(
+                format_message(
+                    self._tag(),
+                    f"the DDP group now has {size} ranks, but this search started on"
+                    f" {self.world_size}.",
+                    "every trial must use the same number of processes"
+                    " (Trainer devices x num_nodes).",
+                )
+            )
+        if rank != self.group_rank and not (single and rank == 0):
+            raise ProtocolError(
+                format_message(
+                    self._tag(),
+                    f"torch.distributed says this process is rank {rank}, but the"
+                    f" launch made it rank {self.group_rank}.",
+                    "do not change RANK/LOCAL_RANK between neps_bcast.run and fit.",
+                )
+            )
+        self.world_size = size
+        self.backend = str(dist.get_backend())
+
+    def release(self, connections: Callable[[], set[int]], exc: BaseException | None) -> None:
+        """Take the group down so that peers blocked in its collectives fail now."""
+        if exc is not None and exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)  # drop finished frames' DDP refs
+        exists = self.exists()
+        if exists and self.backend == "nccl":
+            with contextlib.suppress(Exception):
+                _torch_compat.abort_nccl()
+        shut = sockets.shutdown(connections())
+        _log.log(logging.DEBUG, self._tag(), "shut %d connection(s) of the DDP group", shut)
+        if exists:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may fail to close
+                _log.log(logging.DEBUG, self._tag(), "destroy failed", exc_info=True)
+        gc.collect()
+        self.broken = True
+
+    def needs_reform(self) -> bool:
+        return (self.world_size or 0) > 1 and (self.broken or not self.exists())
+
+    def reform(self, store: _torch_compat.Store) -> None:
+        """Form the group again before a trial, when a failure (or user code) ended it.
+
+        Uses the leader's store under a fresh prefix, so no stale rendezvous keys of an
+        earlier group can be read; Lightning then finds the group and reuses it.
+        """
+        if not self.needs_reform() or self.world_size is None:
+            return
+        if self.exists():
+            dist.destroy_process_group()
+        self.generation += 1
+        backend = self.backend or "gloo"
+        _log.log(
+            logging.INFO,
+            self._tag(),
+            "re-forming the DDP group (%s, generation %d)",
+            backend,
+            self.generation,
+        )
+        dist.init_process_group(
+            backend,
+            store=prefixed(Keys.group(self.generation), store),
+            rank=self.group_rank,
+            world_size=self.world_size,
+        )
+        self.broken = False

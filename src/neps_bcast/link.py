@@ -1,0 +1,148 @@
+"""This rank's connection to the rest of its group: the leader's store and the channel.
+
+One ``Link`` per ``neps_bcast.run`` call. The leader serves the store; a follower
+connects to it (and starts its leader watch). Once the size of the group is known,
+every rank joins the control channel, and from then on the leader's messages are
+broadcasts. Before that (trial 1 of a Lightning launch, when the children do not exist
+yet) the leader leaves the trial in the store for them. Every connection made here is
+recorded as neps_bcast's own, so that releasing the user's group never shuts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from collections.abc import Callable, Iterator
+
+from neps_bcast import _log, peers, sockets, store, watchdog
+from neps_bcast._torch_compat import TCPStore, set_bytes
+from neps_bcast.channel import Channel, ChannelClosedError, GlooChannel, JoinTimeoutError
+from neps_bcast.config import Settings
+from neps_bcast.errors import LeaderLostError, ProtocolError, format_message
+
+
+class Link:
+    def __init__(self, group_rank: int, settings: Settings, tag: Callable[[], str]) -> None:
+        self.group_rank = group_rank
+        self.settings = settings
+        self._tag = tag
+        self.store: TCPStore | None = None
+        self.channel: Channel | None = None
+        self.watch: watchdog.LeaderWatch | None = None
+        self.peers = peers.Peers(group_rank)
+        self.own: set[int] = set()
+        """Inodes of neps_bcast's own connections (never shut when the group is released)."""
+        self.stopping = False
+        """Follower: the leader said STOP, so losing it from now on is normal."""
+
+    @property
+    def wait_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.settings.wait_timeout_s)
+
+    @contextlib.contextmanager
+    def own_connections(self) -> Iterator[None]:
+        """Remember the connections made inside this block as neps_bcast's own."""
+        before = set(sockets.socket_inodes())
+        try:
+            yield
+        finally:
+            self.own |= set(sockets.socket_inodes()) - before
+
+    def serve(self) -> TCPStore:
+        """Leader: the store, started on first use."""
+        if self.store is None:
+            with self.own_connections():
+                self.store = store.serve(self.wait_timeout)
+            self.peers.publish(self.store)
+        return self.store
+
+    def connect(self, address: str) -> TCPStore:
+        """Follower: reach the leader's store, publish itself, start the leader watch."""
+        try:
+            with self.own_connections():
+                self.store = store.connect(
+                    address, self.wait_timeout, self.settings.connect_timeout_s
+                )
+                self.watch = watchdog.LeaderWatch(
+                    address, self.group_rank, self._tag, lambda: self.stopping, self.settings
+                )
+            self.peers.publish(self.store)
+        except Exception as exc:
+            raise LeaderLostError(
+                format_message(
+                    self._tag(),
+                    f"cannot reach the leader's store at {address}: {exc}.",
+                    "the leader process has probably exited; see its log.",
+                )
+            ) from exc
+        return self.store
+
+    def join(self, world_size: int, lost: Callable[[BaseException], Exception]) -> Channel:
+        """Meet the other ranks on the channel (every rank, once the group size is known)."""
+        if self.channel is not None:
+            return self.channel
+        assert self.store is not None
+        _log.log(logging.DEBUG, self._tag(), "joining the control channel")
+        try:
+            with self.own_connections(), _eager_gloo():
+                self.channel = GlooChannel.join(
+                    self.store,
+                    self.group_rank,
+                    world_size,
+                    datetime.timedelta(seconds=self.settings.join_timeout_s),
+                    self.wait_timeout,
+                )
+        except JoinTimeoutError as exc:
+            raise ProtocolError(
+                format_message(
+                    self._tag(),
+                    f"ranks {exc.missing} of {world_size} never reached the end of"
+                    " their first trial.",
+                    "every rank must call neps_bcast.run and run the same"
+                    " evaluate_pipeline; see the missing ranks' logs.",
+                )
+            ) from exc
+        except ChannelClosedError as exc:
+            raise lost(exc) from exc
+        _log.log(logging.INFO, self._tag(), "control channel up (%d ranks)", world_size)
+        return self.channel
+
+    def leave_trial_for_children(self, seq: int, payload: bytes) -> str:
+        """Leader before its group exists: the trial, where Lightning's children find it."""
+        target = self.serve()
+        set_bytes(target, store.Keys.trial(seq), payload)
+        return f"127.0.0.1:{target.port}"
+
+    def release_followers(self, world_size: int) -> None:
+        """Leader at the end: every follower's watch may end quietly from now on."""
+        if self.store is None:
+            return
+        with contextlib.suppress(Exception):  # losing us is normal from now on
+            for r in range(1, world_size):
+                set_bytes(self.store, store.Keys.released(r), b"1")
+
+    def release_watch(self) -> None:
+        """Follower leaving (normally or not): end the leader watch first."""
+        self.stopping = True
+        if self.store is not None and self.watch is not None:
+            self.watch.release(self.store)
+        self.watch = None
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
+@contextlib.contextmanager
+def _eager_gloo() -> Iterator[None]:
+    """Form the channel's connections now, even when the user asked gloo to be lazy
+    (``TORCH_GLOO_LAZY_INIT``): they must exist inside ``own_connections``."""
+    saved = os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = saved

@@ -1,0 +1,224 @@
+"""One trial on one rank, top to bottom.
+
+Every rank, leader and follower alike, evaluates a trial the same way
+(``evaluate_once``): it calls the user's function; inside it, ``session()`` meets the
+other ranks (``TrialRun.enter_session``: every rank must hold the same trial); if any
+rank raises, it publishes its error on the error board and releases the group
+(``TrialRun.fail``), so peers blocked in the user's collectives fail at once; and at the
+end every rank reports how its function ended (``TrialRun.end``), so every rank learns
+every failure of the trial, root cause first.
+
+Ranks may reach different points after a failure (one raised before its session while
+the others entered theirs): each exchange carries its ``Phase``, and a rank that sees a
+peer already at the trial end takes that exchange as its own trial end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from neps_bcast._neps_compat import INJECTED_ARGUMENTS
+from neps_bcast._torch_compat import is_peer_closed
+from neps_bcast.errors import (
+    NepsBcastError,
+    ProtocolError,
+    TrialFailedError,
+    TrialMismatchError,
+    first_line,
+    format_message,
+)
+from neps_bcast.messages import ErrorRecord, Phase, Report, TrialMessage
+from neps_bcast.store import ErrorBoard
+
+if TYPE_CHECKING:
+    from neps_bcast.runtime import Runtime
+
+
+class TrialRun:
+    """This rank's state in one trial; created and ended by ``evaluate_once``."""
+
+    def __init__(self, rt: Runtime, message: TrialMessage) -> None:
+        self.rt = rt
+        self.message = message
+        self.in_session = False
+        self.mine: ErrorRecord | None = None
+        """This rank's failure in this trial, once it raised."""
+        self._published = False
+        self._end_reports: list[Report] | None = None
+        """The trial-end exchange, when a peer made it already during session entry."""
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {k: v for k, v in self.message.kwargs.items() if k not in INJECTED_ARGUMENTS}
+
+    def _report(self, phase: Phase) -> Report:
+        m = self.message
+        return Report(self.rt.group_rank, phase, m.seq, m.trial_id, self.mine)
+
+    # -- session entry ---------------------------------------------------------
+    def enter_session(self) -> None:
+        """Meet the other ranks at ``session()``; raises if they are not all here."""
+        reports = self.rt.exchange(self._report(Phase.SESSION_ENTER))
+        if reports is not None:
+            self._check_entry(reports)
+        self.rt.observe_group()
+        self.in_session = True
+
+    def _check_entry(self, reports: list[Report]) -> None:
+        if any(r.phase == Phase.TRIAL_END for r in reports):
+            # A peer already finished this trial (it failed before its session, or it
+            # uses none): this exchange was its trial end, and it is ours too.
+            self._end_reports = reports
+            records = sort_records([r.error for r in reports if r.error is not None])
+            if records:
+                raise TrialFailedError(self._failed_text(records), failures=records)
+            raise ProtocolError(self._mismatch(reports).message)
+        if any(r.phase != Phase.SESSION_ENTER for r in reports):
+            raise ProtocolError(self._mismatch(reports).message)
+        if len({(r.seq, r.trial_id) for r in reports}) > 1:
+            each = ", ".join(f"rank {r.group_rank}: trial {r.trial_id}" for r in reports)
+            raise TrialMismatchError(
+                format_message(
+                    self.rt.tag,
+                    f"the ranks hold different trials ({each}).",
+                    "this is a bug in neps_bcast or a rank started outside"
+                    " it; please report it with every rank's log.",
+                )
+            )
+
+    # -- failure ---------------------------------------------------------------
+    def fail(self, exc: BaseException) -> list[ErrorRecord]:
+        """This rank raised: publish it, release the peers, return every known failure."""
+        rt = self.rt
+        record = ErrorRecord.from_exception(
+            rt.group_rank, exc, pid=os.getpid(), secondary=is_peer_closed(exc)
+        )
+        self.mine = record
+        rt.log(logging.ERROR, "trial %s raised %s", self.message.trial_id, first_line(exc))
+        self._publish(record)
+        if (rt.world_size or 0) > 1 or rt.group.exists():
+            rt.release_group(exc)
+        others = [r for r in self._board_records() if r.group_rank != rt.group_rank]
+        return sort_records([record, *others])
+
+    def _board(self) -> ErrorBoard | None:
+        store = self.rt.link.store
+        return ErrorBoard(store) if store is not None else None
+
+    def _publish(self, record: ErrorRecord) -> None:
+        board = self._board()
+        if self._published or board is None:
+            return
+        self._published = True
+        try:
+            board.publish(self.message.seq, record)
+        except Exception as exc:
+            if self.rt.group_rank != 0:
+                raise self.rt.lost(exc) from exc
+            raise
+
+    def _board_records(self) -> list[ErrorRecord]:
+        board = self._board()
+        if board is None or self.rt.world_size is None:
+            return []
+        try:
+            return board.read(self.message.seq, self.rt.world_size)
+        except Exception as exc:
+            if self.rt.group_rank != 0:
+                raise self.rt.lost(exc) from exc
+            raise
+
+    # -- trial end -------------------------------------------------------------
+    def end(self, error: BaseException | None) -> list[ErrorRecord]:
+        """Every rank reports how its function ended; returns every failure, root first."""
+        if error is not None and self.mine is None:
+            self.fail(error)
+        if self._end_reports is None:
+            self._end_reports = self.rt.exchange(self._report(Phase.TRIAL_END))
+        reports = self._end_reports
+        records = [self.mine] if self.mine is not None else []
+        if reports is not None:
+            records = [r.error for r in reports if r.error is not None]
+            if not records and any(r.phase != Phase.TRIAL_END for r in reports):
+                records = [self._mismatch(reports)]
+        if records and (self.rt.world_size or 0) > 1 and not self.rt.group.broken:
+            self.rt.release_group()
+        return sort_records(records)
+
+    def interrupted(self, exc: BaseException) -> None:
+        """Ctrl-C, SIGTERM, sys.exit: report it and keep the ranks in step, then re-raise."""
+        if self.mine is None:
+            self.fail(exc)
+        with contextlib.suppress(NepsBcastError):
+            self.end(exc)
+
+    def _mismatch(self, reports: list[Report]) -> ErrorRecord:
+        where = ", ".join(f"rank {r.group_rank} at {r.phase.value}" for r in reports)
+        text = format_message(
+            self.rt.tag,
+            f"the ranks reached different points of trial {self.message.trial_id}: {where}.",
+            "call neps_bcast.session() on every rank, once per trial, or on none.",
+        )
+        return ErrorRecord.from_exception(self.rt.group_rank, ProtocolError(text), pid=os.getpid())
+
+    def failed_error(self, records: list[ErrorRecord]) -> TrialFailedError:
+        return TrialFailedError(self._failed_text(records), failures=records)
+
+    def _failed_text(self, records: list[ErrorRecord]) -> str:
+        return format_message(self.rt.tag, failure_text(records, self.message.trial_id))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    result: Any
+    error: Exception | None
+    """The user's function raised this on this rank."""
+    failures: list[ErrorRecord]
+    """Every rank's failure in this trial, root causes first (empty: success)."""
+
+
+def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) -> Outcome:
+    """Evaluate one trial on this rank and end it together with every other rank.
+
+    An ``Exception`` of the function becomes part of the ``Outcome`` (every rank learns
+    it); a ``BaseException`` (Ctrl-C, SIGTERM, ``sys.exit``) is reported, then re-raised.
+    """
+    run = TrialRun(rt, message)
+    rt.current = run
+    try:
+        result: Any = None
+        error: Exception | None = None
+        try:
+            result = fn(**message.kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+        except BaseException as exc:
+            run.interrupted(exc)
+            raise
+        return Outcome(result, error, run.end(error))
+    finally:
+        rt.current = None
+
+
+def sort_records(records: list[ErrorRecord]) -> list[ErrorRecord]:
+    """Root causes first (errors of their own, earliest first), then secondary ones."""
+    return sorted(records, key=lambda r: (r.secondary, r.timestamp, r.group_rank))
+
+
+def failure_text(records: list[ErrorRecord], trial_id: str) -> str:
+    primary = [r for r in records if not r.secondary] or records
+    secondary = [r for r in records if r not in primary]
+    ranks = ", ".join(str(r.group_rank) for r in primary)
+    head = f"trial {trial_id} failed on rank{'s' if len(primary) > 1 else ''} {ranks}: "
+    head += "; ".join(r.headline() for r in primary)
+    if secondary:
+        head += ". Caused by it: " + "; ".join(r.headline() for r in secondary)
+    tracebacks = "\n".join(
+        f"--- traceback of rank {r.group_rank} (pid {r.pid}) ---\n{r.traceback}" for r in primary
+    )
+    return f"{head}.\n{tracebacks}"

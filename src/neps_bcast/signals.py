@@ -1,0 +1,37 @@
+"""SIGTERM as an exception, so that the running trial is recorded before the process ends.
+
+SLURM preemption, ``scancel`` and a time limit send SIGTERM. Python's default ends the
+process at once, leaving the trial "evaluating" in NePS; inside ``neps_bcast.run`` it
+raises ``Terminated`` (a ``SystemExit`` with code 128 + 15) instead, so the trial fails
+on every rank like any error and the leader records it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+class Terminated(SystemExit):
+    """SIGTERM (e.g. SLURM preemption) turned into an exception, so the trial is recorded."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Inside the block, SIGTERM raises ``Terminated`` (unless someone else handles it)."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+    ):
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

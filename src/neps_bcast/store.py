@@ -1,0 +1,115 @@
+"""The leader's store: serving it, reaching it, and every key neps_bcast writes to it.
+
+The leader serves a TCP store on a port the OS picks (never a fixed port). It carries
+what must exist before or outside the control channel: the first trial of Lightning's
+children, who each rank is (host, pid), the channel's rendezvous, the error board (each
+rank's failure of a trial, readable by every rank before the group is released), and
+the keys that end each follower's leader watch. Every key is built here (``Keys``);
+values are bytes, and records are JSON (never unpickled).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import socket
+
+from neps_bcast._torch_compat import PrefixStore, Store, TCPStore, set_bytes
+from neps_bcast.messages import ErrorRecord
+
+PREFIX = "neps_bcast"
+
+
+class Keys:
+    """Every key neps_bcast uses on the leader's store, in one place."""
+
+    @staticmethod
+    def trial(seq: int) -> str:
+        return f"{PREFIX}/trial/{seq}"
+
+    @staticmethod
+    def rank(group_rank: int) -> str:
+        return f"{PREFIX}/rank/{group_rank}"
+
+    @staticmethod
+    def channel() -> str:
+        return f"{PREFIX}/ctl"
+
+    @staticmethod
+    def group(generation: int) -> str:
+        return f"{PREFIX}/pg/{generation}"
+
+    @staticmethod
+    def error(seq: int, group_rank: int) -> str:
+        return f"{PREFIX}/err/{seq}/{group_rank}"
+
+    @staticmethod
+    def error_count(seq: int) -> str:
+        return f"{PREFIX}/err/{seq}/n"
+
+    @staticmethod
+    def released(group_rank: int) -> str:
+        """Set when a follower's leader watch must end quietly (see ``watchdog``)."""
+        return f"{PREFIX}/watch/released/{group_rank}"
+
+
+def serve(timeout: datetime.timedelta) -> TCPStore:
+    """Start the leader's store on a port the OS picks."""
+    return TCPStore(
+        "0.0.0.0",  # noqa: S104 - followers on other nodes connect here
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+    )
+
+
+def connect(address: str, timeout: datetime.timedelta, connect_timeout_s: float) -> TCPStore:
+    """Connect to the leader's store; fails at once when nothing listens there.
+
+    The store is up before its address is handed out, so a refused connection means
+    the leader is gone: without this probe, TCPStore would retry it for ``timeout``.
+    """
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=connect_timeout_s):
+        pass
+    return TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
+def prefixed(prefix: str, store: Store) -> PrefixStore:
+    return PrefixStore(prefix, store)
+
+
+def publish_json(store: Store, key: str, value: object) -> None:
+    set_bytes(store, key, json.dumps(value).encode())
+
+
+def read_json(store: Store, key: str) -> object:
+    return json.loads(store.get(key).decode())
+
+
+class ErrorBoard:
+    """Each rank's failure of a trial, published before the group is released.
+
+    A rank that failed writes its record, then counts itself in (``add`` is a round
+    trip, so the record has landed); any rank reads every record of the trial.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def publish(self, seq: int, record: ErrorRecord) -> None:
+        set_bytes(self.store, Keys.error(seq, record.group_rank), record.to_json())
+        self.store.add(Keys.error_count(seq), 1)
+
+    def read(self, seq: int, world_size: int) -> list[ErrorRecord]:
+        if self.store.add(Keys.error_count(seq), 0) == 0:
+            return []
+        found = []
+        for group_rank in range(world_size):
+            key = Keys.error(seq, group_rank)
+            if self.store.check([key]):
+                record = ErrorRecord.from_json(self.store.get(key))
+                if record is not None:
+                    found.append(record)
+        return found
