@@ -11,7 +11,8 @@ them. It records:
 
 - the target's exit code and wall time (the target is the leader / launcher process);
 - ``cpu_at_exit_s``: CPU seconds of all processes of the launch up to the target's exit
-  (reaped descendants via RUSAGE_CHILDREN plus live ones from /proc);
+  (reaped descendants via RUSAGE_CHILDREN, live ones and exited-but-unreaped children
+  from /proc);
 - a CPU timeline of every process, sampled every ``--sample-every`` seconds;
 - the processes still alive ``--grace`` seconds after the target exited (left behind),
   their CPU use over the next ``--linger`` seconds, then kills each of them by PID.
@@ -86,6 +87,22 @@ class Census:
             cpu_by_pid[pid] = stat.cpu_seconds
         return cpu_by_pid
 
+    def exited_unreaped_cpu(self, exclude: dict[int, float]) -> float:
+        """CPU seconds of the supervisor's children that exited but are not reaped yet.
+
+        A process that exits between the last reap and the last sample is a zombie: no
+        longer live, not yet in RUSAGE_CHILDREN; its stat still holds its CPU time. (As
+        the subreaper, the supervisor is the parent of every orphaned launch process.)
+        """
+        total = 0.0
+        for pid in procfs.all_pids():
+            if pid in exclude:
+                continue
+            stat = procfs.read_stat(pid)
+            if stat is not None and stat.ppid == self.own_pid and stat.is_zombie:
+                total += stat.cpu_seconds
+        return total
+
     def timelines(self) -> dict[str, dict[str, object]]:
         return {
             str(pid): {**self.roles.get(pid, {}), "samples": samples}
@@ -139,7 +156,11 @@ def main() -> None:
     t_exit = realtime()
     reap_exited_children()
     cpu_by_pid = census.sample()
-    cpu_at_exit_s = children_cpu_seconds() + sum(cpu_by_pid.values())
+    cpu_at_exit_s = (
+        children_cpu_seconds()
+        + sum(cpu_by_pid.values())
+        + census.exited_unreaped_cpu(exclude=cpu_by_pid)
+    )
 
     # Give processes that stop on their own the chance to do so.
     grace_end = time.monotonic() + args.grace
