@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from configuration import BenchConfig, Mode, make_target
+from configuration import HANDOFF_GOAL_MS, BenchConfig, Mode, make_target
 from report import (
     E2E_CPU,
     E2E_WALL,
@@ -86,7 +86,8 @@ class ReadmeRow:
     """One README row: one or more metrics, each over its world sizes, joined with " / "."""
 
     label: str
-    """May name ``{worlds}`` ("2 / 4 / 8"), ``{runs}`` and any field of ``BenchConfig``."""
+    """May name ``{worlds}`` (the first part's world sizes, "2 / 4 / 8"), ``{handoff_goal}``,
+    ``{runs}`` and any field of ``BenchConfig``."""
     parts: tuple[Metric, ...]
     digits: int
 
@@ -127,9 +128,13 @@ def join_parts(parts: list[str]) -> str:
 
 def readme_table(summary: Summary, config: BenchConfig) -> str:
     """The README's benchmark table: world sizes side by side, ratios rounded for reading."""
-    fields = label_fields(summary, config)
+    handoff_goal = ", ".join(
+        f"world {world} <= {limit:g} ms" for world, limit in sorted(HANDOFF_GOAL_MS.items())
+    )
+    fields = {**label_fields(summary, config), "handoff_goal": handoff_goal}
     rows = []
     for readme_row in README_ROWS:
+        worlds = " / ".join(readme_row.parts[0].worlds(summary))
         ours_parts, builtin_parts, ratio_parts = [], [], []
         for metric in readme_row.parts:
             for world in metric.worlds(summary):
@@ -139,7 +144,7 @@ def readme_table(summary: Summary, config: BenchConfig) -> str:
                 ratio_parts.append(metric.ratio_text(ours, builtin, short=True))
         rows.append(
             (
-                readme_row.label.format(**fields),
+                readme_row.label.format(**fields, worlds=worlds),
                 join_parts(ours_parts),
                 join_parts(builtin_parts),
                 join_parts(ratio_parts),
