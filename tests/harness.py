@@ -1,28 +1,41 @@
 """Launch real multi-process searches from tests and read back what happened.
 
-Each launch runs in its own process session (so every process it starts, Lightning's
-children included, can be found and killed), logs to a file under ``tmp_path``, and is
-bounded: group timeouts < the launch's deadline < pytest's timeout. After the launch
-returns, we wait (bounded) for every process of its session to be gone.
+One helper, ``start`` (or ``run`` = start + finish), launches ``tests/scripts/search.py``
+as users do (``python search.py``, torchrun, srun-like) with a ``Scenario`` in its
+environment. Every process of a launch inherits a unique ``NB_LAUNCH_MARKER``: that is
+how the harness finds all of them (torch's launcher starts each torchrun worker in a
+process session of its own, so a session or process group would miss them). Every rank
+logs to a file of its own under ``tmp_path``.
+
+Bounds are nested: group timeouts a scenario sets (60 s) < the launch's deadline
+(``timeout``, 240 s by default) < pytest's timeout (600 s, pyproject.toml). On the
+deadline every marked process is killed and the test fails with each rank's log tail.
+After the launch returns, we wait (bounded) for every marked process to be gone.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from neps_bcast import _procfs
+from scenario import Scenario
+
 SCRIPTS = Path(__file__).parent / "scripts"
 SEARCH = SCRIPTS / "search.py"
+FAKE_SRUN = SCRIPTS / "fake_srun.py"
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
+MARKER = "NB_LAUNCH_MARKER"
 
 LAUNCH_VARS = (
     "RANK",
@@ -36,6 +49,22 @@ LAUNCH_VARS = (
     "TORCHELASTIC_RUN_ID",
     "PL_GLOBAL_SEED",
 )
+"""Launcher variables a launch must not inherit from pytest's own environment."""
+
+
+def python_cmd() -> list[str]:
+    """`python search.py`: Lightning (or Fabric) starts the other ranks."""
+    return [PYTHON, str(SEARCH)]
+
+
+def torchrun_cmd(nproc: int, *extra: str, standalone: bool = True) -> list[str]:
+    single = ["--standalone"] if standalone else []
+    return [TORCHRUN, *single, f"--nproc-per-node={nproc}", *extra, str(SEARCH)]
+
+
+def srun_cmd(ntasks: int) -> list[str]:
+    """Simulated SLURM: the caller's env must give MASTER_ADDR and MASTER_PORT."""
+    return [PYTHON, str(FAKE_SRUN), "--ntasks", str(ntasks), "--", PYTHON, str(SEARCH)]
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -49,93 +78,15 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        # fields[0] is the state, fields[3] the session id; zombies are gone already.
-        if int(fields[3]) == sid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def kill_session(sid: int) -> None:
-    for pid in session_pids(sid):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@dataclass
-class Launch:
-    returncode: int
-    log: str
-    left_alive: list[int]
-    seconds: float
-    proc: subprocess.Popen[bytes]
-    gone_at: float = 0.0
-    """Wall-clock time (time.time()) at which no process of the launch was left."""
-
-    def tail(self, n: int = 60) -> str:
-        return "\n".join(self.log.splitlines()[-n:])
-
-
-def launch(
-    cmd: list[str],
-    *,
-    log_path: Path,
-    env: dict[str, str],
-    cwd: Path,
-    timeout: float = 240.0,
-    linger: float = 15.0,
-) -> Launch:
-    """Run one launch to the end; fail with every log tail if it overruns ``timeout``."""
-    start = time.monotonic()
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_session(proc.pid)
-            proc.wait()
-            raise AssertionError(
-                f"launch {cmd} overran {timeout} s; log tail:\n"
-                + "\n".join(log_path.read_text(errors="replace").splitlines()[-80:])
-            ) from None
-    seconds = time.monotonic() - start
-    deadline = time.monotonic() + linger
-    left = session_pids(proc.pid)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)  # bounded wait for processes to finish exiting, not synchronization
-        left = session_pids(proc.pid)
-    gone_at = time.time()
-    if left:
-        kill_session(proc.pid)
-    return Launch(
-        proc.returncode, log_path.read_text(errors="replace"), left, seconds, proc, gone_at
-    )
+def marked_pids(marker: str) -> list[int]:
+    return _procfs.pids_with_env(MARKER, marker)
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for path in sorted(record_dir.glob("*.jsonl")):
         events.extend(json.loads(line) for line in path.read_text().splitlines() if line)
-    return events
+    return sorted(events, key=lambda e: e["t"])
 
 
 def trials_by_rank(events: list[dict[str, Any]]) -> dict[int, list[tuple[str, dict[str, Any]]]]:
@@ -143,6 +94,16 @@ def trials_by_rank(events: list[dict[str, Any]]) -> dict[int, list[tuple[str, di
     for e in sorted((e for e in events if e["event"] == "trial"), key=lambda e: e["t"]):
         by_rank[e["rank"]].append((e["trial_id"], e["kwargs"]))
     return dict(by_rank)
+
+
+def exits_by_rank(events: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each rank's "exit" record (the exit code its script ended with)."""
+    found: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == "exit":
+            assert e["proc_rank"] not in found, f"two exits for rank {e['proc_rank']}: {e}"
+            found[e["proc_rank"]] = e
+    return found
 
 
 def neps_trials(root: Path) -> dict[str, Any]:
@@ -156,10 +117,229 @@ def neps_trials(root: Path) -> dict[str, Any]:
     return state.lock_and_read_trials()
 
 
-def assert_clean_launch(result: Launch, *, expect_rc: int = 0) -> None:
+@dataclass
+class Result:
+    """A finished launch: what the launcher returned, the logs, the records."""
+
+    name: str
+    returncode: int
+    log: str
+    """The launcher's own output, then every rank's log."""
+    rank_logs: dict[str, str]
+    left_alive: list[int]
+    """Marked processes still alive ``linger`` seconds after the launcher exited."""
+    seconds: float
+    gone_at: float
+    """Wall-clock time (time.time()) at which no process of the launch was left."""
+    root: Path
+    events: list[dict[str, Any]]
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(
+            f"--- {name} (last {n} lines) ---\n" + "\n".join(text.splitlines()[-n:])
+            for name, text in self.rank_logs.items()
+        )
+
+    @property
+    def exits(self) -> dict[int, dict[str, Any]]:
+        return exits_by_rank(self.events)
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == event]
+
+
+class Running:
+    """A launch in progress: records can be read (and polled for) while it runs."""
+
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        *,
+        env: dict[str, str],
+        cwd: Path,
+        folder: Path,
+        root: Path,
+        timeout: float,
+    ) -> None:
+        self.name = name
+        self.marker = env[MARKER]
+        self.folder = folder
+        self.root = root
+        self.cmd = cmd
+        self.deadline = time.monotonic() + timeout
+        self.timeout = timeout
+        self.started = time.monotonic()
+        self._log = (folder / "launcher.log").open("wb")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    @property
+    def record_dir(self) -> Path:
+        return self.folder / "rec"
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_records(self.record_dir)
+
+    def rank_logs(self) -> dict[str, str]:
+        logs = {"launcher": (self.folder / "launcher.log").read_text(errors="replace")}
+        for path in sorted((self.folder / "logs").glob("*.log")):
+            logs[path.stem] = path.read_text(errors="replace")
+        return logs
+
+    def tails(self, n: int = 40) -> str:
+        return "\n".join(
+            f"--- {name} (last {n} lines) ---\n" + "\n".join(text.splitlines()[-n:])
+            for name, text in self.rank_logs().items()
+        )
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *marked_pids(self.marker)]:
+            _procfs.kill(pid)
+
+    def wait_for(
+        self, what: str, found: Callable[[list[dict[str, Any]]], Any], timeout: float = 120.0
+    ) -> Any:
+        """Poll the records (bounded) until ``found(events)`` is truthy; return it."""
+        return self._poll(what, lambda: found(self.events()), timeout)
+
+    def wait_for_log(self, text: str, timeout: float = 120.0) -> str:
+        """Poll the logs (bounded) until one of them holds ``text``; return that log's name."""
+        return str(
+            self._poll(
+                f"{text!r} in a log",
+                lambda: next((n for n, log in self.rank_logs().items() if text in log), None),
+                timeout,
+            )
+        )
+
+    def _poll(self, what: str, probe: Callable[[], Any], timeout: float) -> Any:
+        limit = min(time.monotonic() + timeout, self.deadline)
+        while time.monotonic() < limit:
+            value = probe()
+            if value:
+                return value
+            if self.proc.poll() is not None and not marked_pids(self.marker):
+                break
+            time.sleep(0.02)  # a bounded poll for a record or log file, not synchronization
+        value = probe()
+        if value:
+            return value
+        self.kill_all()
+        self.proc.wait()
+        raise AssertionError(f"launch {self.name}: never saw {what}; logs:\n{self.tails()}")
+
+    def finish(self, linger: float = 15.0) -> Result:
+        """Wait for the launcher (bounded by the deadline), then for every marked
+        process to be gone (bounded by ``linger``)."""
+        try:
+            self.proc.wait(timeout=max(self.deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            self.proc.wait()
+            self._log.close()
+            raise AssertionError(
+                f"launch {self.name} {self.cmd} overran {self.timeout} s; every process"
+                f" killed; logs:\n{self.tails()}"
+            ) from None
+        self._log.close()
+        seconds = time.monotonic() - self.started
+        until = time.monotonic() + linger
+        left = marked_pids(self.marker)
+        while left and time.monotonic() < until:
+            time.sleep(0.05)  # bounded wait for processes to finish exiting
+            left = marked_pids(self.marker)
+        gone_at = time.time()
+        if left:
+            self.kill_all()
+        logs = self.rank_logs()
+        return Result(
+            name=self.name,
+            returncode=self.proc.returncode,
+            log="\n".join(logs.values()),
+            rank_logs=logs,
+            left_alive=left,
+            seconds=seconds,
+            gone_at=gone_at,
+            root=self.root,
+            events=self.events(),
+        )
+
+
+def start(
+    scenario: Scenario,
+    tmp_path: Path,
+    *,
+    name: str = "run",
+    cmd: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 240.0,
+) -> Running:
+    """Start one launch of search.py with ``scenario``; logs and records go to
+    ``tmp_path/name``; the NePS root is ``tmp_path/name/root`` unless the scenario
+    names one (a relative root is relative to ``cwd``)."""
+    folder = tmp_path / name
+    folder.mkdir(parents=True)
+    cwd = cwd or tmp_path
+    root = Path(scenario.root) if scenario.root else folder / "root"
+    scenario = replace(
+        scenario, root=str(root), record=str(folder / "rec"), log_dir=str(folder / "logs")
+    )
+    full_env = base_env(**(env or {}), **scenario.to_env())
+    full_env[MARKER] = uuid.uuid4().hex
+    return Running(
+        name,
+        cmd or python_cmd(),
+        env=full_env,
+        cwd=cwd,
+        folder=folder,
+        root=root if root.is_absolute() else cwd / root,
+        timeout=timeout,
+    )
+
+
+def run(scenario: Scenario, tmp_path: Path, **kwargs: Any) -> Result:
+    """``start`` one launch and ``finish`` it."""
+    return start(scenario, tmp_path, **kwargs).finish()
+
+
+def assert_clean_launch(result: Result, *, expect_rc: int = 0) -> None:
+    """The launcher's exit code is ``expect_rc`` and nothing of the launch is left; for a
+    successful launch, every process that started recorded exit code 0."""
     assert result.returncode == expect_rc, (
-        f"exit code {result.returncode} (want {expect_rc}); log tail:\n{result.tail()}"
+        f"exit code {result.returncode} (want {expect_rc}); logs:\n{result.tail()}"
     )
     assert not result.left_alive, (
-        f"processes {result.left_alive} still alive after the launch; log tail:\n{result.tail()}"
+        f"processes {result.left_alive} still alive after the launch; logs:\n{result.tail()}"
     )
+    if expect_rc == 0:
+        started = {e["pid"] for e in result.of("start")}
+        exited = {e["pid"]: e["code"] for e in result.of("exit")}
+        assert started, f"no rank started; logs:\n{result.tail()}"
+        assert exited == dict.fromkeys(started, 0), (
+            f"exit codes by pid {exited}, started {sorted(started)}; logs:\n{result.tail()}"
+        )
+
+
+def assert_followers_never_touch_neps(exits: dict[int, dict[str, Any]]) -> None:
+    """Followers never call neps.run, never open NePS's state, never open or list a file
+    under the root; the leader's own counts show that the counters count. ``exits``: one
+    group's exit records by rank."""
+    assert 0 in exits, f"the leader recorded no exit: {exits}"
+    leader = exits[0]
+    assert leader["calls"]["neps.run"] == 1, leader
+    assert leader["calls"]["NePSState.create_or_load"] >= 1, leader
+    assert leader["root_access"]["count"] > 0, leader
+    followers = {r: e for r, e in exits.items() if r != 0}
+    assert followers, "no follower exited: nothing was checked"
+    for rank, e in followers.items():
+        assert e["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}, (rank, e)
+        assert e["root_access"] == {"count": 0, "paths": []}, (rank, e)

@@ -1,49 +1,36 @@
 """End to end: failure semantics (issue 4). Real processes, real NePS, real gloo.
 
-Faults are injected through search.py's environment (NB_FAULT & co., see its
-docstring), never through the library. Each launch covers several cases, because
+Faults are injected by search.py as its Scenario says (tests/scenario.py), never
+through the library. Each launch covers several cases, because
 every rank pays ~6 s of imports. Time bounds are generous on purpose: they prove
-that no 30-minute group timeout is involved, not how fast things are (docs/failures.md
-has the measured times).
+that no 30-minute group timeout is involved, not how fast things are.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from harness import (
-    PYTHON,
-    SEARCH,
-    TORCHRUN,
-    Launch,
     assert_clean_launch,
-    base_env,
-    launch,
     neps_trials,
-    read_records,
+    run,
+    start,
+    torchrun_cmd,
     trials_by_rank,
 )
+from neps_bcast import _procfs
+from scenario import DevicesAt, Fault, Scenario
 
 BOUND_S = 60.0
 """No wait involved may be a timeout: every failure is handled within this bound."""
-
-
-def run(
-    tmp_path: Path, name: str = "run", cmd: list[str] | None = None, **env: str
-) -> tuple[Launch, Path, list[dict[str, Any]]]:
-    root, rec = tmp_path / "root", tmp_path / "rec"
-    result = launch(
-        cmd or [PYTHON, str(SEARCH)],
-        log_path=tmp_path / f"{name}.log",
-        env=base_env(NB_ROOT=str(root), NB_RECORD=str(rec), **env),
-        cwd=tmp_path,
-    )
-    return result, root, read_records(rec)
 
 
 def state(trial: Any) -> str:
@@ -85,17 +72,24 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
     1 ok; 2 follower raises in fit; 3 leader raises before its session; 4 every rank
     raises after fit; 5 the Trainer asks for 3 devices; 6 follower raises before its
     session; 7 an argument cannot be pickled; 8 ok."""
-    result, root, events = run(
+    result = run(
+        Scenario(
+            trials=8,
+            ignore_errors=True,
+            space="unpicklable",
+            unpicklable_seqs=(7,),
+            devices_at=DevicesAt(seq=5, devices=3),
+            faults=(
+                Fault("raise", rank=1, seq=2, where="fit"),
+                Fault("raise", rank=0, seq=3, where="before"),
+                Fault("raise", rank=None, seq=4, where="after"),
+                Fault("raise", rank=1, seq=6, where="before"),
+            ),
+        ),
         tmp_path,
-        NB_TRIALS="8",
-        NB_IGNORE_ERRORS="1",
-        NB_SPACE="unpicklable",
-        NB_UNPICKLABLE_SEQS="7",
-        NB_DEVICES_AT="5:3",
-        NB_FAULT="raise:rank=1:seq=2:where=fit,raise:rank=0:seq=3:where=before,"
-        "raise:rank=all:seq=4:where=after,raise:rank=1:seq=6:where=before",
     )
     assert_clean_launch(result)
+    root, events = result.root, result.events
     recorded = reports(root)
     assert sorted(recorded) == list(range(1, 9)), result.tail()
     for n in (1, 8):
@@ -170,8 +164,9 @@ def test_errors_fail_the_trial_on_every_rank_and_the_search_goes_on(tmp_path: Pa
 
 def test_neps_default_stops_the_search_after_recording_the_trial(tmp_path: Path) -> None:
     """ignore_errors=False (NePS's default): the leader raises in fit in trial 2."""
-    result, root, events = run(tmp_path, NB_TRIALS="4", NB_FAULT="raise:rank=0:seq=2:where=fit")
+    result = run(Scenario(trials=4, faults=(Fault("raise", rank=0, seq=2),)), tmp_path)
     assert_clean_launch(result, expect_rc=1)
+    root, events = result.root, result.events
     recorded = reports(root)
     assert sorted(recorded) == [1, 2]
     assert recorded[1][:2] == ("success", "success")
@@ -180,10 +175,11 @@ def test_neps_default_stops_the_search_after_recording_the_trial(tmp_path: Path)
         "trial 2 failed on rank 0: rank 0: ValueError: injected failure on rank 0 at fit"
         in recorded[2][2]
     )
-    exits = {e["proc_rank"]: e for e in events if e["event"] == "exit"}
-    assert not exits[0]["ok"]
+    exits = result.exits
+    assert sorted(exits) == [0, 1]
+    assert not exits[0]["ok"] and exits[0]["code"] == 1
     assert "WorkerRaiseError" in exits[0]["error"]
-    assert exits[1]["ok"]  # the follower stopped because its leader said so
+    assert exits[1]["ok"] and exits[1]["code"] == 0  # stopped because its leader said so
     follower_raised = raised(events, 2)[1]
     assert follower_raised["type"] == "TrialFailedError"
     assert "trial 2 failed on rank 0: rank 0: ValueError" in follower_raised["text"]
@@ -195,27 +191,25 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
 
     ignore_errors=True: with NePS's default, NePS itself refuses to continue a root
     that holds any crashed trial (OnErrorPossibilities.RAISE_ANY_ERROR)."""
-    result, root, events = run(
-        tmp_path,
-        "first",
-        NB_TRIALS="4",
-        NB_IGNORE_ERRORS="1",
-        NB_FAULT="kill:rank=1:seq=2:where=fit",
-    )
+    scenario = Scenario(trials=4, ignore_errors=True, root=str(tmp_path / "root"))
+    result = run(replace(scenario, faults=(Fault("kill", rank=1, seq=2),)), tmp_path, name="first")
     assert_clean_launch(result, expect_rc=1)
+    root, events = result.root, result.events
     recorded = reports(root)
     assert sorted(recorded) == [1, 2]
     assert recorded[2][:2] == ("crashed", "crashed")  # not left "evaluating"
     assert re.search(r"rank 1 lost: signal 9 \(SIGKILL\) \(pid \d+\)", recorded[2][2])
-    exits = [e for e in events if e["event"] == "exit"]
-    assert [e["proc_rank"] for e in exits] == [0]
+    exits = result.exits
+    assert sorted(exits) == [0]  # the follower was SIGKILLed: it recorded no exit
+    assert exits[0]["code"] == 1
     assert exits[0]["error"].startswith(
         "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: signal 9 (SIGKILL)"
     )
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
 
-    again, _, events = run(tmp_path, "again", NB_TRIALS="4", NB_IGNORE_ERRORS="1")
+    again = run(scenario, tmp_path, name="again")
     assert_clean_launch(again)
+    events = again.events
     recorded = reports(root)
     assert sorted(recorded) == [1, 2, 3, 4]
     assert {n: r[0] for n, r in recorded.items()} == {
@@ -238,15 +232,16 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
 )
 def test_leader_killed_every_follower_exits_naming_it(tmp_path: Path, when: str) -> None:
     fault = {
-        "fit": "kill:rank=0:seq=2:where=fit",
-        "between_trials": "kill:rank=0:seq=2:where=sample",  # NePS choosing trial 3
+        "fit": Fault("kill", rank=0, seq=2, where="fit"),
+        "between_trials": Fault("kill", rank=0, seq=2, where="sample"),  # choosing trial 3
         # Trial 1, before any follower reached the leader: Lightning's child is still
         # importing, or (killed by the child itself, right after it got the trial) in
         # Lightning's init_process_group rendezvous on the dead leader's MASTER_PORT.
-        "children_starting": "kill_in:rank=0:seq=1:where=before:s=3",
-        "children_in_rendezvous": "sigkill_leader:rank=1:seq=1:where=before",
+        "children_starting": Fault("kill_in", rank=0, seq=1, where="before", seconds=3),
+        "children_in_rendezvous": Fault("sigkill_leader", rank=1, seq=1, where="before"),
     }[when]
-    result, _, events = run(tmp_path, NB_TRIALS="4", NB_FAULT=fault)
+    result = run(Scenario(trials=4, faults=(fault,)), tmp_path)
+    events = result.events
     assert result.returncode == -9, result.tail()  # the leader, killed
     assert not result.left_alive, result.tail()
     starts = {e["pid"] for e in events if e["event"] == "start"}
@@ -260,60 +255,182 @@ def test_leader_killed_every_follower_exits_naming_it(tmp_path: Path, when: str)
         or (follower in line and "cannot reach the leader's store" in line)
     ]
     assert lost, result.tail()
-    exits = [e for e in events if e["event"] == "exit"]
+    exits = result.exits
     if when == "children_in_rendezvous":
         # Stuck inside Lightning: the leader watch ends the process (exit code 1).
         assert "Exiting with code 1 (LeaderLostError)" in lost[-1]
-        assert exits == []
+        assert exits == {}
     else:
-        assert [e["proc_rank"] for e in exits] == [1]
-        assert exits[0]["error"].startswith("LeaderLostError: [neps_bcast rank 1/")
+        assert sorted(exits) == [1]
+        assert exits[1]["code"] == 1, exits[1]
+        assert exits[1]["error"].startswith("LeaderLostError: [neps_bcast rank 1/")
 
 
-@pytest.mark.parametrize("signal_name", ["term_all", "term_follower", "int_leader", "ctrl_c"])
+SIGNALS = {
+    "term_all": Fault("term", rank=None, seq=2),  # SLURM preemption: every rank
+    # One rank only: Lightning's own SIGTERM handler would broadcast on the group
+    # from inside the handler and hang every rank.
+    "term_follower": Fault("term", rank=1, seq=2),
+    "int_leader": Fault("int", rank=0, seq=2),
+    "ctrl_c": Fault("int_group", rank=0, seq=2),  # the whole process group
+}
+
+_GLOO_CLOSED = r"RuntimeError: \[[^\]]*gloo/transport/tcp/pair\.cc:\d+\] Connection closed by peer \[127\.0\.0\.1\]:\d+\. [^\n]*"
+_TERMINATED_IN_FIT = (
+    r"\n--- traceback of rank 1 \(pid {pid1}\) ---\nTraceback \(most recent call last\):\n"
+    r".*    fault\(\"fit\"\)\n.*    os\.kill\(os\.getpid\(\), signal\.SIGTERM\)\n"
+    r".*\n[\w.]*Terminated: 143\n"
+)
+SIGNAL_OUTCOMES: dict[str, tuple[int, str, dict[int, tuple[str, str, int]]]] = {
+    # launcher's exit code, NePS's whole error text, and each rank's
+    # (what its evaluate raised, that error's whole text, its exit code).
+    "term_all": (
+        143,
+        r"interrupted: Terminated 143",
+        {0: ("Terminated", "143", 143), 1: ("Terminated", "143", 143)},
+    ),
+    "term_follower": (
+        1,
+        r"\[neps_bcast rank 0/2 leader\] trial 2 failed on rank 1: rank 1: Terminated: 143\."
+        r" Caused by it: rank 0: " + _GLOO_CLOSED + _TERMINATED_IN_FIT,
+        {0: ("TrialFailedError", "{text}", 1), 1: ("Terminated", "143", 143)},
+    ),
+    "int_leader": (
+        1,
+        r"interrupted: SystemExit 1",
+        {
+            0: ("SystemExit", "1", 1),
+            # The follower names the leader's error, then stops when its leader says so.
+            1: (
+                "TrialFailedError",
+                r"\[neps_bcast rank 1/2 follower\] trial 2 failed on rank 0: rank 0:"
+                r" SystemExit: 1\. Caused by it: rank 1: " + _GLOO_CLOSED + r"\n"
+                r"--- traceback of rank 0 \(pid {pid0}\) ---\n.*\nSystemExit: 1\n",
+                0,
+            ),
+        },
+    ),
+    "ctrl_c": (
+        1,
+        r"interrupted: SystemExit 1",
+        {0: ("SystemExit", "1", 1), 1: ("SystemExit", "1", 1)},
+    ),
+}
+
+
+@pytest.mark.parametrize("signal_name", list(SIGNALS))
 def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
     tmp_path: Path, signal_name: str
 ) -> None:
-    fault = {
-        "term_all": "term_all:rank=all:seq=2:where=fit",  # SLURM preemption
-        # One rank only: Lightning's own SIGTERM handler would broadcast on the
-        # group from inside the handler and hang every rank.
-        "term_follower": "term_all:rank=1:seq=2:where=fit",
-        "int_leader": "int:rank=0:seq=2:where=fit",
-        "ctrl_c": "int_group:rank=0:seq=2:where=fit",
-    }[signal_name]  # whole group
-    result, root, events = run(tmp_path, NB_TRIALS="4", NB_FAULT=fault)
-    assert result.returncode == (143 if signal_name == "term_all" else 1), result.tail()
+    result = run(Scenario(trials=4, faults=(SIGNALS[signal_name],)), tmp_path)
+    events = result.events
+    returncode, want_text, want_ranks = SIGNAL_OUTCOMES[signal_name]
+    assert result.returncode == returncode, result.tail()
     assert not result.left_alive, result.tail()
-    recorded = reports(root)
+    recorded = reports(result.root)
     assert sorted(recorded) == [1, 2]
+    assert recorded[1][:2] == ("success", "success")
     assert recorded[2][:2] == ("crashed", "crashed")
-    if signal_name == "term_follower":
-        assert "trial 2 failed on rank 1: rank 1: Terminated: 143" in recorded[2][2]
-        assert "rank 1 lost: exit code 143" in result.log  # not an abort at exit
-    else:
-        assert recorded[2][2].startswith("interrupted: ")
+    text = recorded[2][2]
+    pids = {f"pid{e['proc_rank']}": e["pid"] for e in result.of("start")}
+    assert re.fullmatch(want_text.format(**pids), text, re.DOTALL), text
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
-    exits = {e["proc_rank"]: e for e in events if e["event"] == "exit"}
+    # Every rank's outcome: what its evaluate raised, and the exit code it ended with.
+    exits = result.exits
     assert sorted(exits) == [0, 1]
+    by_rank = raised(events, 2)
+    assert sorted(by_rank) == [0, 1]
+    for rank, (kind, pattern, code) in want_ranks.items():
+        want = re.escape(text) if pattern == "{text}" else pattern.format(**pids)
+        assert by_rank[rank]["type"] == kind, (rank, by_rank[rank])
+        assert re.fullmatch(want, by_rank[rank]["text"], re.DOTALL), (rank, by_rank[rank])
+        assert exits[rank]["code"] == code, (rank, exits[rank])
     assert not exits[0]["ok"]
+    # The recorded exit code is what the interpreter was about to end with; an abort
+    # at exit would come after it, and would write to that rank's own log.
+    for name, log in result.rank_logs.items():
+        for marker in ABORTED:
+            assert marker not in log, (name, marker, result.tail())
+
+
+ABORTED = ("terminate called", "Fatal Python error", "Aborted", "core dumped")
+
+
+def test_a_second_sigterm_while_the_leader_records_the_trial(tmp_path: Path) -> None:
+    """SIGTERM to every rank in fit of trial 2 (SLURM preemption), then a second SIGTERM
+    to the leader while its NePS records trial 2: trial 2 is still recorded (not left
+    "evaluating"), and every process is gone within BOUND_S of the first signal."""
+    result = run(
+        Scenario(
+            trials=4,
+            faults=(Fault("term", rank=None, seq=2), Fault("term", rank=0, seq=2, where="record")),
+        ),
+        tmp_path,
+    )
+    events = result.events
+    assert not result.left_alive, result.tail()
+    second = [f for f in faults(events) if f["where"] == "record"]
+    assert second, f"the second SIGTERM never came: the test did not test\n{result.tail()}"
+    recorded = reports(result.root)
+    assert sorted(recorded) == [1, 2], (recorded, result.tail())
+    assert recorded[1][:2] == ("success", "success")
+    assert recorded[2][:2] == ("crashed", "crashed"), (recorded[2], result.tail())
+    assert result.returncode == 143, result.tail()
+    assert result.gone_at - faults(events)[0]["t"] < BOUND_S
+
+
+def test_sigterm_to_a_follower_waiting_between_trials(tmp_path: Path) -> None:
+    """SIGTERM to the follower while it waits for trial 3 (the leader's NePS takes 5 s
+    to sample it): the follower exits with 143, no trial is left "evaluating", trials
+    1 and 2 stay successes, and every process is gone within BOUND_S of the signal."""
+    running = start(
+        Scenario(trials=4, faults=(Fault("sleep", where="sample", rank=0, seq=2, seconds=5),)),
+        tmp_path,
+    )
+    follower = running.wait_for(
+        "the follower's start",
+        lambda ev: next((e["pid"] for e in ev if e["event"] == "start" and e["proc_rank"] == 1), 0),
+    )
+    running.wait_for(
+        "the leader's sampling pause",
+        lambda ev: any(e["event"] == "fault" and e["where"] == "sample" for e in ev),
+    )
+    assert _procfs.kill(follower, signal.SIGTERM), "the follower was gone before the signal"
+    sent = time.time()
+    result = running.finish()
+    events = result.events
+    assert not result.left_alive, result.tail()
+    assert not [e for e in events if e["event"] == "trial" and e["rank"] == 1 and e["t"] > sent]
+    exits = result.exits
+    assert exits[1]["code"] == 143, (exits, result.tail())
+    recorded = reports(result.root)
+    assert recorded[1][:2] == ("success", "success")
+    assert recorded[2][:2] == ("success", "success")
+    assert {r[0] for r in recorded.values()} <= {"success", "crashed"}, recorded
+    assert result.returncode != 0, result.tail()
+    assert result.gone_at - sent < BOUND_S
 
 
 def test_torchrun_user_destroys_the_group_and_errors_recover(tmp_path: Path) -> None:
     """torchrun, plain DDP whose function ends with dist.destroy_process_group() (as
     PyTorch's DDP tutorial does); the follower raises in trial 3, the leader in its
     session in trial 4."""
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node=2", str(SEARCH)]
-    result, root, events = run(
+    result = run(
+        Scenario(
+            strategy="plain_ddp",
+            trials=6,
+            ignore_errors=True,
+            destroy_group=True,
+            faults=(
+                Fault("raise", rank=1, seq=3, where="fit"),
+                Fault("raise", rank=0, seq=4, where="session"),
+            ),
+        ),
         tmp_path,
-        cmd=cmd,
-        NB_STRATEGY="plain_ddp",
-        NB_TRIALS="6",
-        NB_IGNORE_ERRORS="1",
-        NB_DESTROY_GROUP="1",
-        NB_FAULT="raise:rank=1:seq=3:where=fit,raise:rank=0:seq=4:where=session",
+        cmd=torchrun_cmd(2),
     )
     assert_clean_launch(result)
+    root, events = result.root, result.events
     recorded = reports(root)
     assert {n: r[0] for n, r in recorded.items()} == {
         1: "success",

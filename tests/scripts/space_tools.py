@@ -3,15 +3,15 @@ pickled search space can be read back by the tests (not only by ``__main__``).""
 
 from __future__ import annotations
 
-import os
 import threading
 
 BUILT = {"n": 0}
 
 
 def unpicklable_tool() -> object:
-    """A lock (which cannot be pickled) for the n-th object built, n in
-    NB_UNPICKLABLE_SEQS (NePS builds one per trial), else a plain string."""
+    """A lock (which cannot be pickled) for the n-th object built, n in the scenario's
+    ``unpicklable_seqs`` (NePS builds one per trial), else a plain string."""
+    from probe import SCENARIO
+
     BUILT["n"] += 1
-    bad = {int(s) for s in os.environ.get("NB_UNPICKLABLE_SEQS", "").split(",") if s}
-    return threading.Lock() if BUILT["n"] in bad else "a plain string"
+    return threading.Lock() if BUILT["n"] in SCENARIO.unpicklable_seqs else "a plain string"

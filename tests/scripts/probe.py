@@ -1,0 +1,181 @@
+"""What every rank of search.py records, and the faults it injects.
+
+Records are JSON lines, one file per process, in the scenario's record folder; the
+harness reads them back. Observers count (never replace) what NePS is asked to do:
+calls of ``neps.run`` and ``NePSState.create_or_load``, and every file this process
+opens or lists under the NePS root (an audit hook).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: scenario.py
+
+from scenario import Scenario
+
+SCENARIO = Scenario.from_env()
+RECORD = Path(SCENARIO.record).resolve() if SCENARIO.record else None
+SEQ = {"n": 0}
+"""Trials this process has started evaluating (1-based once the first starts)."""
+CALLS = {"neps.run": 0, "NePSState.create_or_load": 0}
+ROOT_ACCESS: dict[str, Any] = {"count": 0, "paths": []}
+"""Opens and listings under the NePS root by this process (the first 20 paths)."""
+
+
+def my_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+def record(event: str, **data: Any) -> None:
+    if RECORD is None:
+        return
+    RECORD.mkdir(parents=True, exist_ok=True)
+    line = {"event": event, "pid": os.getpid(), "proc_rank": my_rank(), "t": time.time(), **data}
+    with (RECORD / f"pid{os.getpid()}.jsonl").open("a") as f:
+        f.write(json.dumps(line, default=str) + "\n")
+
+
+def log_to_own_file() -> None:
+    """Send this process's stdout and stderr (fds 1 and 2) to a log of its own."""
+    if not SCENARIO.log_dir:
+        return
+    folder = Path(SCENARIO.log_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank{my_rank()}.pid{os.getpid()}.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def fault(where: str) -> None:
+    """Inject the scenario's faults that match this point, rank and trial."""
+    for f in SCENARIO.faults:
+        if f.where != where:
+            continue
+        if f.rank is not None and f.rank != my_rank():
+            continue
+        if f.seq is not None and f.seq != SEQ["n"]:
+            continue
+        record("fault", kind=f.kind, where=where, seq=SEQ["n"], rank=my_rank())
+        if f.kind == "raise":
+            raise ValueError(f"injected failure on rank {my_rank()} at {where}")
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if f.kind == "kill_in":
+            threading.Timer(f.seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        if f.kind == "term":
+            os.kill(os.getpid(), signal.SIGTERM)
+        if f.kind == "int":
+            os.kill(os.getpid(), signal.SIGINT)
+        if f.kind == "int_group":
+            os.killpg(os.getpgrp(), signal.SIGINT)
+        if f.kind == "sigkill_leader":
+            os.kill(os.getppid(), signal.SIGKILL)
+        if f.kind == "sleep":
+            time.sleep(f.seconds)  # the fault itself: a slow step, observed from outside
+            record("slept", where=where, seq=SEQ["n"], rank=my_rank())
+
+
+def observe_neps() -> None:
+    """Count calls into NePS and hook the points faults can fire at (pass-through)."""
+    import neps
+    from neps.state import neps_state as ns
+
+    real_run = neps.run
+
+    def counting_run(*args: Any, **kwargs: Any) -> Any:
+        CALLS["neps.run"] += 1
+        return real_run(*args, **kwargs)
+
+    neps.run = counting_run
+
+    real_col = ns.NePSState.create_or_load.__func__  # type: ignore[attr-defined]
+
+    def counting_col(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        CALLS["NePSState.create_or_load"] += 1
+        return real_col(cls, *args, **kwargs)
+
+    ns.NePSState.create_or_load = classmethod(counting_col)  # type: ignore[assignment]
+
+    real_sample = ns.NePSState._sample_trial
+
+    def sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
+        fault("sample")  # the leader is choosing the next trial; its followers wait
+        return real_sample(self, *args, **kwargs)
+
+    ns.NePSState._sample_trial = sampling  # type: ignore[method-assign]
+
+    real_report = ns.NePSState._report_trial_evaluation
+
+    def reporting(self: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
+        record("recording", trial_id=trial.id, seq=SEQ["n"])
+        fault("record")
+        return real_report(self, trial, *args, **kwargs)
+
+    ns.NePSState._report_trial_evaluation = reporting  # type: ignore[method-assign]
+
+
+def watch_root(root: Path) -> None:
+    """Count this process's opens and listings under ``root`` (an audit hook)."""
+    root_str = str(root.resolve())
+    prefix = root_str + os.sep
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event not in ("open", "os.listdir", "os.scandir"):
+            return
+        try:
+            target = args[0]
+            if not isinstance(target, (str, bytes, os.PathLike)):
+                return  # a file descriptor
+            path = os.path.abspath(os.fsdecode(target))  # noqa: PTH100 - cheap, no I/O
+            if path == root_str or path.startswith(prefix):
+                ROOT_ACCESS["count"] += 1
+                if len(ROOT_ACCESS["paths"]) < 20:
+                    ROOT_ACCESS["paths"].append(f"{event} {os.path.relpath(path, root_str)}")
+        except Exception:
+            pass
+
+    sys.addaudithook(hook)
+
+
+def exit_code(exc: BaseException | None) -> int:
+    """The exit code the interpreter will end with for ``exc`` escaping main()."""
+    if exc is None:
+        return 0
+    if isinstance(exc, SystemExit):
+        if exc.code is None:
+            return 0
+        return exc.code if isinstance(exc.code, int) else 1
+    if isinstance(exc, KeyboardInterrupt):
+        return -signal.SIGINT  # Python re-raises SIGINT on itself
+    return 1
+
+
+def record_exit(exc: BaseException | None) -> None:
+    code = exit_code(exc)
+    record(
+        "exit",
+        code=code,
+        ok=code == 0,
+        error=None if exc is None else f"{type(exc).__name__}: {exc}",
+        calls=CALLS,
+        root_access=ROOT_ACCESS,
+    )
