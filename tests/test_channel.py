@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from neps_bcast import runtime
+from neps_bcast import _torch_compat
 
 CTX = mp.get_context("spawn")
 STORE_TIMEOUT = datetime.timedelta(seconds=30)
@@ -39,6 +39,25 @@ def _blob(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+# Payloads around the channel's first frames (4096-byte broadcast frame and 512-byte
+# gather frame, each starting with an 8-byte length): one collective when it fits, a
+# second one for the rest when it does not.
+BROADCASTS = (
+    b"",
+    b"x",
+    b"small payload \x00\xff",
+    _blob(4096 - 8, seed=2),
+    _blob(4096 - 7, seed=3),
+    _blob(MB, seed=1),
+)
+GATHERS: tuple[Callable[[int, int], bytes], ...] = (
+    lambda rank, size: _blob(1000 * rank, seed=rank),
+    lambda rank, size: b"",
+    lambda rank, size: _blob(MB if rank == size - 1 else 7, seed=10 + rank),
+    lambda rank, size: _blob(512 - 8 + (rank % 2), seed=20 + rank),
+)
+
+
 # -- what each child runs (module level: spawn pickles them by name) -----------------
 
 
@@ -51,11 +70,9 @@ def _child(
     release: Any,
     extra: dict[str, Any],
 ) -> None:
-    from neps_bcast.channel import (
-        GlooChannel,
-        connect_store,
-        serve_store,
-    )
+    from neps_bcast.channel import GlooChannel
+    from neps_bcast.store import connect as connect_store
+    from neps_bcast.store import serve as serve_store
 
     # A child still running near the test's bound shows where it is (captured stderr).
     faulthandler.dump_traceback_later(WAIT - 10)
@@ -66,7 +83,7 @@ def _child(
                 ports.put(store.port)
         else:
             port = ports.get(timeout=WAIT)
-            store = connect_store(f"127.0.0.1:{port}", STORE_TIMEOUT)
+            store = connect_store(f"127.0.0.1:{port}", STORE_TIMEOUT, 30.0)
         join_timeout = datetime.timedelta(seconds=extra.get("join_timeout_s", 30))
         SCENARIOS[scenario](rank, size, store, results, release, join_timeout, GlooChannel)
     except BaseException as exc:
@@ -85,22 +102,17 @@ def _round_trips(
 ) -> None:
     from neps_bcast.channel import ChannelClosedError
 
-    channel = gloo_channel.join(store, rank, size, generation=0, join_timeout=join_timeout)
+    channel = gloo_channel.join(store, rank, size, join_timeout, STORE_TIMEOUT)
     assert (channel.group_rank, channel.world_size) == (rank, size)
     seen: list[Any] = []
     # Broadcast: empty, small, 1 MB; followers pass None.
-    for payload in (b"", b"x", b"small payload \x00\xff", _blob(MB, seed=1)):
+    for payload in BROADCASTS:
         got = channel.broadcast(payload if rank == 0 else None)
         seen.append(("broadcast", _digest(got)))
     # Allgather: sizes differ by rank, rank 0 sends nothing; then all empty; then one
     # rank 1 MB and the others small.
-    for round_ in range(3):
-        if round_ == 0:
-            mine = _blob(1000 * rank, seed=rank)
-        elif round_ == 1:
-            mine = b""
-        else:
-            mine = _blob(MB if rank == size - 1 else 7, seed=10 + rank)
+    for round_ in range(len(GATHERS)):
+        mine = GATHERS[round_](rank, size)
         seen.append(("allgather", [_digest(d) for d in channel.allgather(mine)]))
     # Several rounds, interleaved, in order.
     for i in range(5):
@@ -130,17 +142,9 @@ def _round_trips(
 
 
 def _expected_round_trips(size: int) -> list[Any]:
-    seen: list[Any] = [
-        ("broadcast", _digest(p)) for p in (b"", b"x", b"small payload \x00\xff", _blob(MB, seed=1))
-    ]
-    seen.append(("allgather", [_digest(_blob(1000 * r, seed=r)) for r in range(size)]))
-    seen.append(("allgather", [_digest(b"")] * size))
-    seen.append(
-        (
-            "allgather",
-            [_digest(_blob(MB if r == size - 1 else 7, seed=10 + r)) for r in range(size)],
-        )
-    )
+    seen: list[Any] = [("broadcast", _digest(p)) for p in BROADCASTS]
+    for gather in GATHERS:
+        seen.append(("allgather", [_digest(gather(r, size)) for r in range(size)]))
     for i in range(5):
         seen.append(("round", f"round {i}"))
         seen.append(("round-gather", [f"rank {r} round {i}" for r in range(size)]))
@@ -165,7 +169,7 @@ def _partial_join(
     else:
         store.set(f"test/here/{rank}", "1")
     try:
-        gloo_channel.join(store, rank, size, generation=0, join_timeout=join_timeout)
+        gloo_channel.join(store, rank, size, join_timeout, STORE_TIMEOUT)
     except JoinTimeoutError as exc:
         results.send((rank, "join-timeout", (str(exc), exc.missing)))
         if rank == 0:
@@ -298,7 +302,7 @@ def test_round_trips_then_followers_notice_the_leader_killed(size: int) -> None:
         assert kind == "closed", (rank, kind)
         assert blocked_s < 15, (rank, blocked_s)
         # The text gloo gives is what runtime classifies as caused by a peer.
-        assert runtime.is_secondary(RuntimeError(text)), text
+        assert _torch_compat.is_peer_closed(RuntimeError(text)), text
     assert codes == [-signal.SIGKILL] + [0] * (size - 1)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from neps_bcast import runtime
+from neps_bcast import protocol
+from neps_bcast._torch_compat import is_peer_closed
 from neps_bcast.errors import MessageError, NepsBcastError
 from neps_bcast.messages import (
     ErrorRecord,
@@ -97,16 +98,15 @@ def test_report_with_error_record_round_trips_with_its_phase() -> None:
     record = _record_of(ValueError, "boom")
     report = Report(
         group_rank=1,
-        phase=Phase.SESSION_EXIT,
+        phase=Phase.SESSION_ENTER,
         seq=2,
         trial_id="5",
         error=record,
-        extra={"nested": {"k": [1, 2]}},
     )
     back = _roundtrip(report)
     assert back == report
     assert isinstance(back, Report)
-    assert back.phase is Phase.SESSION_EXIT
+    assert back.phase is Phase.SESSION_ENTER
     assert back.error == record
     assert back.error is not None
     assert back.error.traceback == record.traceback
@@ -176,8 +176,50 @@ def test_decode_of_a_truncated_message_raises_message_error() -> None:
 
 
 def test_decode_of_a_pickle_that_is_no_message_raises_message_error() -> None:
-    with pytest.raises(MessageError, match="unexpected message"):
+    with pytest.raises(MessageError, match="cannot read a message"):
         decode(pickle.dumps({"seq": 1, "trial_id": "1"}), tag=TAG)
+
+
+class _Boom:
+    """Unpickling this runs code: the kind of value an outsider would plant."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (_record_unpickled, ("ran",))
+
+
+UNPICKLED: list[str] = []
+
+
+def _record_unpickled(what: str) -> str:
+    UNPICKLED.append(what)
+    return what
+
+
+@pytest.mark.parametrize("kind", [b"S", b"R"])
+def test_control_messages_are_never_unpickled(kind: bytes) -> None:
+    # A stop or a report carrying a pickle (in its header or after it) is refused or
+    # read as plain data: only a trial's own arguments are ever unpickled.
+    import struct
+
+    bomb = pickle.dumps(_Boom())
+    for payload in (
+        struct.pack(">cI", kind, len(bomb)) + bomb,
+        struct.pack(">cI", kind, 2) + b"{}" + bomb,
+    ):
+        with pytest.raises(MessageError, match="cannot read a message"):
+            decode(payload, tag=TAG)
+    assert UNPICKLED == []
+    # The positive control: the same object as a trial argument is unpickled.
+    decode(encode(_trial(x=_Boom()), tag=TAG), tag=TAG)
+    assert UNPICKLED == ["ran"]
+    UNPICKLED.clear()
+
+
+def test_error_record_from_garbage_json_is_none() -> None:
+    assert ErrorRecord.from_json(b"\x80\x05garbage") is None
+    assert ErrorRecord.from_json(b'{"group_rank": "1"}') is None
+    record = ErrorRecord.from_exception(2, ValueError("x"), pid=7)
+    assert ErrorRecord.from_json(record.to_json()) == record
 
 
 # -- errors as data ---------------------------------------------------------------------
@@ -223,12 +265,12 @@ def test_error_record_keeps_the_secondary_flag() -> None:
     ],
 )
 def test_is_secondary_recognizes_a_peer_closing_the_group(text: str) -> None:
-    assert runtime.is_secondary(RuntimeError(text))
+    assert is_peer_closed(RuntimeError(text))
 
 
 def test_is_secondary_rejects_a_failure_of_its_own() -> None:
-    assert not runtime.is_secondary(ValueError("injected failure on rank 1 at fit"))
-    assert not runtime.is_secondary(RuntimeError("CUDA out of memory"))
+    assert not is_peer_closed(ValueError("injected failure on rank 1 at fit"))
+    assert not is_peer_closed(RuntimeError("CUDA out of memory"))
 
 
 def _record(group_rank: int, timestamp: float, *, secondary: bool, message: str) -> ErrorRecord:
@@ -247,14 +289,14 @@ def test_sort_records_puts_root_causes_first_earliest_first() -> None:
     peer = _record(0, 1.0, secondary=True, message="Connection closed by peer")
     late = _record(2, 5.0, secondary=False, message="late failure")
     early = _record(1, 3.0, secondary=False, message="early failure")
-    assert runtime.sort_records([peer, late, early]) == [early, late, peer]
+    assert protocol.sort_records([peer, late, early]) == [early, late, peer]
 
 
 def test_failure_text_names_the_failing_ranks_and_then_the_consequences() -> None:
     peer = _record(0, 1.0, secondary=True, message="Connection closed by peer")
     early = _record(1, 3.0, secondary=False, message="early failure")
     late = _record(2, 5.0, secondary=False, message="late failure")
-    text = runtime.failure_text(runtime.sort_records([peer, late, early]), "9")
+    text = protocol.failure_text(protocol.sort_records([peer, late, early]), "9")
     head = text.splitlines()[0]
     assert head.startswith(
         "trial 9 failed on ranks 1, 2: rank 1: ValueError: early failure;"
@@ -270,7 +312,7 @@ def test_failure_text_names_the_failing_ranks_and_then_the_consequences() -> Non
 
 def test_failure_text_for_one_rank_says_rank() -> None:
     only = _record(1, 3.0, secondary=False, message="boom")
-    text = runtime.failure_text([only], "4")
+    text = protocol.failure_text([only], "4")
     assert text.startswith("trial 4 failed on rank 1: rank 1: ValueError: boom.")
     assert "Caused by it" not in text
 
@@ -278,7 +320,7 @@ def test_failure_text_for_one_rank_says_rank() -> None:
 def test_failure_text_with_only_secondary_errors_still_names_them() -> None:
     a = _record(0, 1.0, secondary=True, message="Connection closed by peer")
     b = _record(1, 2.0, secondary=True, message="Connection reset by peer")
-    text = runtime.failure_text([a, b], "4")
+    text = protocol.failure_text([a, b], "4")
     assert text.startswith("trial 4 failed on ranks 0, 1: rank 0: RuntimeError:")
     assert "traceback of rank 0" in text
     assert "traceback of rank 1" in text

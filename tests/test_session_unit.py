@@ -26,6 +26,7 @@ import neps_bcast
 from harness import LAUNCH_VARS
 from neps_bcast import _neps_compat, leader, runtime
 from neps_bcast.channel import Channel, ChannelClosedError
+from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
     NepsBcastError,
     ProtocolError,
@@ -34,8 +35,9 @@ from neps_bcast.errors import (
     TrialMismatchError,
 )
 from neps_bcast.follower import follow
-from neps_bcast.launch import ENV_FIRST_SEQ, ENV_LEADER, Launch
+from neps_bcast.launch import Launch
 from neps_bcast.messages import Phase, Report, StopMessage, TrialMessage, decode
+from neps_bcast.protocol import TrialRun
 
 
 class Space(neps.PipelineSpace):
@@ -336,7 +338,7 @@ def make_runtimes(size: int) -> tuple[FakeGroup, list[runtime.Runtime]]:
                 main_port=1,
             )
         )
-        rt.channel = FakeChannel(group, rank)
+        rt.link.channel = FakeChannel(group, rank)
         rts.append(rt)
     return group, rts
 
@@ -424,7 +426,7 @@ def test_fake_group_follower_evaluates_the_leaders_trials_until_stop(trial_ids: 
     assert group.phases(1).count(Phase.SESSION_ENTER.value) == 3
     assert group.phases(1).count(Phase.TRIAL_END.value) == 3
     assert group.closed == {0, 1}
-    assert all(rt.channel is None for rt in rts)
+    assert all(rt.link.channel is None for rt in rts)
 
 
 @pytest.mark.usefixtures("per_thread_runtime")
@@ -443,14 +445,16 @@ def test_fake_group_mismatched_trial_ids_raise_on_every_rank() -> None:
         )
 
         def body(rt: runtime.Runtime) -> Any:
-            with rt.running(msg) as ctx:
-                error = None
-                try:
-                    with neps_bcast.session():
-                        entered.append(rt.group_rank)
-                except Exception as exc:  # returned to the test
-                    error = exc
-                rt.end_trial(ctx, error)
+            run = TrialRun(rt, msg)
+            rt.current = run
+            error = None
+            try:
+                with neps_bcast.session():
+                    entered.append(rt.group_rank)
+            except Exception as exc:  # returned to the test
+                error = exc
+            run.end(error)
+            rt.current = None
             return error
 
         return body

@@ -226,7 +226,8 @@ def _unpickle_arguments(body: bytes, tag: str) -> dict[str, Any]:
         raise MessageError(
             format_message(
                 tag,
-                f"cannot read the trial's arguments from the leader: {type(exc).__name__}: {exc}.",
+                "cannot read a message from the leader (the trial's arguments):"
+                f" {type(exc).__name__}: {exc}.",
                 "every rank must run the same code and the same library versions"
                 " (a class in a trial argument must be importable on every rank).",
             )

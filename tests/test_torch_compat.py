@@ -1,0 +1,45 @@
+"""Pins every torch name neps_bcast uses beyond the public ``torch.distributed`` API.
+
+If one of these fails after a torch upgrade, ``src/neps_bcast/_torch_compat.py`` is the
+one module to adapt. (The texts of gloo's peer-closed errors are pinned on a real
+two-process group in ``test_channel.py``.)
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from neps_bcast import _torch_compat as tc
+
+
+def test_store_classes_come_from_the_c_module() -> None:
+    store = tc.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert isinstance(store, tc.Store)
+    prefixed = tc.PrefixStore("p", store)
+    tc.set_bytes(prefixed, "k", b"\x00\xffbytes")
+    assert store.get("p/k") == b"\x00\xffbytes"
+
+
+def test_a_raw_gloo_group_is_not_registered_with_c10d() -> None:
+    store = tc.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = tc.new_gloo_group(store, 0, 1, datetime.timedelta(seconds=10))
+    assert not dist.is_initialized()
+    data = torch.arange(4, dtype=torch.uint8)
+    tc.gloo_broadcast(pg, data)
+    outs = [torch.zeros(4, dtype=torch.uint8)]
+    tc.gloo_allgather(pg, outs, data)
+    assert outs[0].tolist() == [0, 1, 2, 3]
+    tc.close_gloo_group(pg)
+
+
+def test_the_nccl_abort_function_exists() -> None:
+    assert callable(dist.distributed_c10d._abort_process_group)
+
+
+def test_peer_closed_texts_are_recognized_and_others_are_not() -> None:
+    for marker in tc.PEER_CLOSED_MARKERS:
+        assert tc.is_peer_closed(RuntimeError(f"[pair.cc:553] {marker} [127.0.0.1]:1"))
+    assert not tc.is_peer_closed(ValueError("injected failure"))
