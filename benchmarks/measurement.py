@@ -10,6 +10,7 @@ supervisor record and derived result go to ``results/raw/<launch>.json``.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -110,9 +111,20 @@ def neps_successes(root: Path) -> int:
     return int((pd.read_csv(csv)["state"] == "success").sum())
 
 
-def last_error_line(log_tail: str) -> str:
-    lines = [line for line in log_tail.splitlines() if "Error" in line or "error" in line]
-    return lines[-1].strip()[:200] if lines else ""
+EXCEPTION_LINE = re.compile(r"\b[\w.]*(Error|Exception): ")
+
+
+def error_line(log_tail: str) -> str:
+    """The launch's first exception line (the root cause), else its last line naming an error.
+
+    A follower's crash reaches the leader as a secondary error (a closed gloo connection,
+    then NePS's WorkerRaiseError and its advice), so the first exception is the telling one.
+    """
+    lines = log_tail.splitlines()
+    exceptions = [line for line in lines if EXCEPTION_LINE.search(line)]
+    mentions = [line for line in lines if "Error" in line or "error" in line]
+    chosen = exceptions[0] if exceptions else mentions[-1] if mentions else ""
+    return chosen.strip()[:200]
 
 
 def save_raw(name: str, supervisor_record: Record, result: Record) -> None:
@@ -194,7 +206,7 @@ def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -
         "neps_successes": successes,
         "trials_wanted": workload.trials,
         "completed": record["exit_code"] == 0 and successes >= workload.trials,
-        "error": "" if record["exit_code"] == 0 else last_error_line(record["log_tail"]),
+        "error": "" if record["exit_code"] == 0 else error_line(record["log_tail"]),
         "trials": trial_timings(rows, "x", world),
         "wait_cpu_per_s": follower_wait_cpu(record, holds),
         "holds": holds,
@@ -234,7 +246,7 @@ def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
         "neps_successes": successes,
         "trials_wanted": trials,
         "completed": record["exit_code"] == 0 and not record["timed_out"] and successes >= trials,
-        "error": "" if record["exit_code"] == 0 else last_error_line(record["log_tail"]),
+        "error": "" if record["exit_code"] == 0 else error_line(record["log_tail"]),
         "wall_s": record["wall_s"],
         "cpu_at_exit_s": record["cpu_at_exit_s"],
         "left": len(left),
