@@ -46,3 +46,24 @@ def test_lightnings_sigterm_handler_is_wrapped_once() -> None:
     _lightning_compat.sigterm_without_broadcast(lambda: True)
     _lightning_compat.sigterm_without_broadcast(lambda: True)
     assert _SignalConnector._sigterm_notifier_fn.__wrapped__ is original
+
+
+def test_the_standalone_packages_get_the_same_hooks() -> None:
+    # Users who `import pytorch_lightning` (and so lightning_fabric) keep every
+    # protection: the observer hook, the SIGTERM handler and the group-size check.
+    import lightning_fabric.strategies.launchers.subprocess_script as standalone_script
+    import pytorch_lightning as pl
+    from pytorch_lightning.trainer.connectors import signal_connector
+
+    from neps_bcast import lightning_check
+
+    _lightning_compat.before_observer_kills(lambda: None)
+    assert hasattr(standalone_script._ChildProcessObserver._terminate_all, "__wrapped__")
+    _lightning_compat.sigterm_without_broadcast(lambda: True)
+    assert hasattr(signal_connector._SignalConnector._sigterm_notifier_fn, "__wrapped__")
+    check = lightning_check._check_class("pytorch_lightning")
+    assert issubclass(check, pl.Callback)
+    from importlib.metadata import entry_points
+
+    names = {ep.value for ep in entry_points(group="pytorch_lightning.callbacks_factory")}
+    assert "neps_bcast.lightning_check:pytorch_lightning_callbacks" in names

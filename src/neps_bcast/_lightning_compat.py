@@ -18,6 +18,11 @@ partner (its peers are in their own training collectives): measured here, a SIGT
 to one follower hung the whole launch. Inside ``neps_bcast.run`` the broadcast is
 skipped; the previous handler (neps_bcast's, raising ``Terminated``) then runs and the
 trial fails on every rank like any error.
+
+Both distributions of Lightning are covered: the unified ``lightning`` package
+(``lightning.fabric``, ``lightning.pytorch``) and the standalone ``lightning_fabric`` /
+``pytorch_lightning`` packages, which carry their own copies of these classes. A hook
+is installed in every copy that the process has imported.
 """
 
 from __future__ import annotations
@@ -27,52 +32,68 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-_OBSERVER_MODULE = "lightning.fabric.strategies.launchers.subprocess_script"
-_SIGNAL_MODULE = "lightning.pytorch.trainer.connectors.signal_connector"
+OBSERVER_MODULES = (
+    "lightning.fabric.strategies.launchers.subprocess_script",
+    "lightning_fabric.strategies.launchers.subprocess_script",
+)
+SIGNAL_MODULES = (
+    "lightning.pytorch.trainer.connectors.signal_connector",
+    "pytorch_lightning.trainer.connectors.signal_connector",
+)
+
+
+def _imported(module_names: tuple[str, ...]) -> list[Any]:
+    """The modules whose top-level package this process has imported."""
+    return [
+        importlib.import_module(name)
+        for name in module_names
+        if name.partition(".")[0] in sys.modules
+    ]
 
 
 def before_observer_kills(hook: Callable[[], None]) -> None:
     """Run ``hook()`` in Lightning's observer thread before it SIGKILLs the launch.
 
-    Installed once per process; the latest ``hook`` wins.
+    Installed once per process and Lightning copy; the latest ``hook`` wins.
     """
-    module = importlib.import_module(_OBSERVER_MODULE)
-    observer: Any = module._ChildProcessObserver
-    current = observer._terminate_all
-    original = getattr(current, "__wrapped__", current)
+    for module in _imported(OBSERVER_MODULES):
+        observer: Any = module._ChildProcessObserver
+        current = observer._terminate_all
+        original = getattr(current, "__wrapped__", current)
 
-    def _terminate_all(self: Any) -> None:
-        try:
-            hook()
-        finally:
-            original(self)
+        def _terminate_all(self: Any, original: Any = original) -> None:
+            try:
+                hook()
+            finally:
+                original(self)
 
-    _terminate_all.__wrapped__ = original  # type: ignore[attr-defined]
-    observer._terminate_all = _terminate_all
+        _terminate_all.__wrapped__ = original  # type: ignore[attr-defined]
+        observer._terminate_all = _terminate_all
 
 
 def sigterm_without_broadcast(is_active: Callable[[], bool]) -> None:
     """While ``is_active()``, Lightning's SIGTERM handler skips its group broadcast.
 
-    Only if ``lightning.pytorch`` is imported already (Lightning scripts import it at
-    the top): importing it here would cost every other user seconds.
+    Only in the Lightning copies imported already (Lightning scripts import them at the
+    top): importing one here would cost every other user seconds.
     """
-    if "lightning.pytorch" not in sys.modules:
-        return
-    module = importlib.import_module(_SIGNAL_MODULE)
-    connector: Any = module._SignalConnector
-    current = connector._sigterm_notifier_fn
-    original = getattr(current, "__wrapped__", current)
+    names = tuple(n for n in SIGNAL_MODULES if n.rpartition(".trainer")[0] in sys.modules)
+    for module in [importlib.import_module(n) for n in names]:
+        connector: Any = module._SignalConnector
+        current = connector._sigterm_notifier_fn
+        original = getattr(current, "__wrapped__", current)
 
-    def _sigterm_notifier_fn(self: Any, signum: Any, frame: Any) -> None:
-        if not is_active():
-            original(self, signum, frame)
-            return
-        module.log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
-        launcher = self.trainer.strategy.launcher
-        if not self.received_sigterm and launcher is not None:
-            launcher.kill(signum)  # as Lightning does: its children get it too
-        self.received_sigterm = True
+        def _sigterm_notifier_fn(
+            self: Any, signum: Any, frame: Any, original: Any = original, module: Any = module
+        ) -> None:
+            if not is_active():
+                original(self, signum, frame)
+                return
+            module.log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
+            launcher = self.trainer.strategy.launcher
+            if not self.received_sigterm and launcher is not None:
+                launcher.kill(signum)  # as Lightning does: its children get it too
+            self.received_sigterm = True
 
-    _sigterm_notifier_fn.__wrapped__ = original  # type: ignore[attr-defined]
-    connector._sigterm_notifier_fn = _sigterm_notifier_fn
+        _sigterm_notifier_fn.__wrapped__ = original  # type: ignore[attr-defined]
+        connector._sigterm_notifier_fn = _sigterm_notifier_fn

@@ -66,7 +66,10 @@ def _follow(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) -> None
 def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[str, Any]) -> None:
     import neps
 
-    root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT))
+    # Absolute from the start: the user's function may chdir, and the trial is recorded
+    # (by NePS, or by us after an interrupt) in the root the search started in.
+    root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT)).resolve()
+    kwargs = {**kwargs, "root_directory": root}
     guard = RootGuard(root, rt.tag, rt.settings.root_lock_timeout_s)
 
     @functools.wraps(fn)

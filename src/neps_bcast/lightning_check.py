@@ -7,49 +7,67 @@ DistributedSampler giving each rank a third of the data and dropping the rest, w
 a word). Under torchrun Lightning checks the world size itself; for its own children
 it does not.
 
-Registered through Lightning's ``lightning.pytorch.callbacks_factory`` entry point
-(pyproject.toml), so the user's Trainer gets it without a code change; it is added
-only while ``neps_bcast.run`` is running in this process.
+Registered through Lightning's ``callbacks_factory`` entry points (pyproject.toml), for
+both ``lightning.pytorch`` and the standalone ``pytorch_lightning`` package, so the
+user's Trainer gets it without a code change; it is added only while
+``neps_bcast.run`` is running in this process.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import ParallelStrategy
 
 from neps_bcast import runtime
 from neps_bcast.errors import ProtocolError, format_message
 
+_CHECKS: dict[str, type] = {}
 
-class GroupSizeCheck(Callback):
-    """Raises ``ProtocolError`` at ``setup`` (before any training) on a size mismatch."""
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        rt = runtime.active()
-        if rt is None or not isinstance(trainer.strategy, ParallelStrategy):
-            return
-        if not (dist.is_available() and dist.is_initialized()):
-            return
-        group_size = dist.get_world_size()
-        if trainer.world_size == group_size:
-            return
-        raise ProtocolError(
-            format_message(
-                rt.tag,
-                f"the Trainer plans {trainer.world_size} processes (devices="
-                f"{trainer.num_devices} x num_nodes={trainer.num_nodes}), but the DDP group"
-                f" it would train on has {group_size} ranks; Lightning would train on"
-                f" {group_size} ranks and its sampler would drop part of the data.",
-                f"every trial must use the {group_size} processes the search started with;"
-                " the number of processes is fixed by the first trial's Trainer (or by the"
-                " launcher).",
+def _check_class(package: str) -> type:
+    """The callback class for one Lightning copy (its Trainer accepts only its own)."""
+    if package in _CHECKS:
+        return _CHECKS[package]
+    pl: Any = importlib.import_module(package)
+    strategies: Any = importlib.import_module(f"{package}.strategies")
+
+    class GroupSizeCheck(pl.Callback):  # type: ignore[misc]  # a base class known at run time
+        """Raises ``ProtocolError`` at ``setup`` (before any training) on a size mismatch."""
+
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            rt = runtime.active()
+            if rt is None or not isinstance(trainer.strategy, strategies.ParallelStrategy):
+                return
+            if not (dist.is_available() and dist.is_initialized()):
+                return
+            group_size = dist.get_world_size()
+            if trainer.world_size == group_size:
+                return
+            raise ProtocolError(
+                format_message(
+                    rt.tag,
+                    f"the Trainer plans {trainer.world_size} processes (devices="
+                    f"{trainer.num_devices} x num_nodes={trainer.num_nodes}), but the DDP"
+                    f" group it would train on has {group_size} ranks; Lightning would"
+                    f" train on {group_size} ranks and its sampler would drop part of the"
+                    " data.",
+                    f"every trial must use the {group_size} processes the search started"
+                    " with; the number of processes is fixed by the first trial's Trainer"
+                    " (or by the launcher).",
+                )
             )
-        )
+
+    _CHECKS[package] = GroupSizeCheck
+    return GroupSizeCheck
 
 
 def callbacks() -> list[Any]:
-    """Lightning's ``callbacks_factory`` entry point: the check, inside neps_bcast.run only."""
-    return [GroupSizeCheck()] if runtime.active() is not None else []
+    """``lightning.pytorch.callbacks_factory``: the check, inside neps_bcast.run only."""
+    return [_check_class("lightning.pytorch")()] if runtime.active() is not None else []
+
+
+def pytorch_lightning_callbacks() -> list[Any]:
+    """``pytorch_lightning.callbacks_factory``: the same for the standalone package."""
+    return [_check_class("pytorch_lightning")()] if runtime.active() is not None else []

@@ -3,7 +3,9 @@
 SLURM preemption, ``scancel`` and a time limit send SIGTERM. Python's default ends the
 process at once, leaving the trial "evaluating" in NePS; inside ``neps_bcast.run`` it
 raises ``Terminated`` (a ``SystemExit`` with code 128 + 15) instead, so the trial fails
-on every rank like any error and the leader records it.
+on every rank like any error and the leader records it. Only the first SIGTERM raises:
+a second one (``scancel`` twice, a launcher forwarding it again) arriving while the
+trial is being recorded is ignored, so the record is not cut short.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ def sigterm_raises() -> Iterator[None]:
         yield
         return
 
+    terminating = False
+
     def handler(signum: int, _frame: object) -> None:
+        nonlocal terminating
+        if terminating:
+            return  # a second SIGTERM must not interrupt the recording of the first
+        terminating = True
         raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, handler)
