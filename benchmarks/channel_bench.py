@@ -18,6 +18,7 @@ Everything that touches ``neps_bcast.channel`` is in the section "the channel" b
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import struct
@@ -29,16 +30,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neps_bcast.channel import GlooChannel, connect_store, serve_store
-
+from neps_bcast import store as control_store
+from neps_bcast.channel import GlooChannel
+from neps_bcast.config import Settings
 
 # ----------------------------------------------------------------------------- the channel
+SETTINGS = Settings.from_env()
+"""neps_bcast's own timeouts (NEPS_BCAST_* variables or their defaults), as run() uses them."""
+
+
 def open_store(address: str) -> tuple[Any, str]:
     """The leader serves the store (empty ``address``); followers connect to ``address``."""
+    wait_timeout = datetime.timedelta(seconds=SETTINGS.wait_timeout_s)
     if address:
-        return connect_store(address), address
-    store = serve_store()
-    return store, f"127.0.0.1:{store.port}"
+        return control_store.connect(address, wait_timeout, SETTINGS.connect_timeout_s), address
+    served = control_store.serve(wait_timeout)
+    return served, f"127.0.0.1:{served.port}"
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,13 @@ class Link:
 
 
 def join_channel(store: Any, group_rank: int, world: int) -> Link:
-    channel = GlooChannel.join(store, group_rank, world, generation=0)
+    channel = GlooChannel.join(
+        store,
+        group_rank,
+        world,
+        datetime.timedelta(seconds=SETTINGS.join_timeout_s),
+        datetime.timedelta(seconds=SETTINGS.wait_timeout_s),
+    )
     return Link(broadcast=channel.broadcast, allgather=channel.allgather, close=channel.close)
 
 
