@@ -67,6 +67,25 @@ VARIABLES = (
         "address other nodes use to reach the leader (default: the address that routes"
         " to MASTER_ADDR)",
     ),
+    Variable(
+        "NEPS_BCAST_HEARTBEAT_S",
+        "heartbeat_s",
+        "30",
+        "how often a leader renews the lease of the trial it evaluates (one small write)",
+    ),
+    Variable(
+        "NEPS_BCAST_LEASE_GRACE_S",
+        "lease_grace_s",
+        "300",
+        "how old a lease's heartbeat must be before another host takes the trial over",
+    ),
+    Variable(
+        "NEPS_BCAST_MAX_RETRIES",
+        "max_retries",
+        "3",
+        "how often a trial interrupted by an infrastructure failure goes back to pending"
+        " before it is recorded crashed",
+    ),
 )
 
 
@@ -78,6 +97,10 @@ class Settings:
     root_lock_timeout_s: float = 600.0
     backend: str | None = None
     leader_addr: str | None = None
+    heartbeat_s: float = 30.0
+    lease_grace_s: float = 300.0
+    max_retries: str = "3"
+    """A count, parsed (and checked) by ``neps_bcast.lease.retry_limit``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
