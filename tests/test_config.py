@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from neps_bcast.auth import ENV_SECRET
 from neps_bcast.config import INTERNAL, VARIABLES, Settings
 from neps_bcast.errors import LaunchError
 
@@ -39,5 +40,6 @@ def test_every_variable_has_a_field_and_is_in_readme() -> None:
     assert {v.field for v in VARIABLES} == fields
     for var in VARIABLES:
         assert f"`{var.name}`" in readme, f"README does not document {var.name}"
+    assert f"`{ENV_SECRET}`" in readme
     for name in INTERNAL:
         assert f"`{name}`" in readme, f"README does not mention the internal {name}"

@@ -25,6 +25,7 @@ from neps.state.neps_state import NePSState
 import neps_bcast
 from harness import LAUNCH_VARS
 from neps_bcast import _neps_compat, leader, runtime
+from neps_bcast.auth import Signer
 from neps_bcast.channel import Channel, ChannelClosedError
 from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
@@ -249,11 +250,12 @@ class FakeGroup:
             self._cond.notify_all()
 
     def messages(self, rank: int, kind: str) -> list[Any]:
-        return [
-            decode(p, tag="test")
+        opened = [
+            Signer(SECRET).open("channel", p)
             for r, k, p in self.ops
-            if r == rank and k == kind and p not in (b"bye",) and p is not None
+            if r == rank and k == kind and p is not None
         ]
+        return [decode(p, tag="test") for p in opened if p != b"bye"]
 
     def phases(self, rank: int) -> list[str]:
         """The reports one rank contributed, in order."""
@@ -322,6 +324,10 @@ def trial_ids(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ids
 
 
+SECRET = b"k" * 32
+"""The search's secret, shared by the ranks of a fake group."""
+
+
 def make_runtimes(size: int) -> tuple[FakeGroup, list[runtime.Runtime]]:
     group = FakeGroup(size)
     rts = []
@@ -336,7 +342,8 @@ def make_runtimes(size: int) -> tuple[FakeGroup, list[runtime.Runtime]]:
                 node_rank=0,
                 main_address="127.0.0.1",
                 main_port=1,
-            )
+            ),
+            signer=Signer(SECRET),
         )
         rt.link.channel = FakeChannel(group, rank)
         rts.append(rt)

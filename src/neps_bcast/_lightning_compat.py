@@ -11,7 +11,12 @@ here, about one run in ten was killed by the observer first, leaving the trial
 "evaluating" in NePS for ever. The observer is kept (it still ends a launch whose
 leader hangs), but before it kills, it lets the leader finish recording.
 
-(2) During ``fit`` Lightning's ``_SignalConnector`` handles SIGTERM on every rank by
+(2) Lightning's children inherit the leader's environment when they start: the leader
+sets what they need (its store's address, the first trial, the search's secret) just
+before ``_call_children_scripts`` runs, and not before, so a search whose function never
+starts children never serves a store.
+
+(3) During ``fit`` Lightning's ``_SignalConnector`` handles SIGTERM on every rank by
 forwarding it to its children and then issuing a ``dist.broadcast`` on the training
 group from inside the signal handler. Sent to one rank only, that broadcast meets no
 partner (its peers are in their own training collectives): measured here, a SIGTERM
@@ -32,6 +37,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+LAUNCHER_MODULES = (
+    "lightning.fabric.strategies.launchers.subprocess_script",
+    "lightning_fabric.strategies.launchers.subprocess_script",
+    "lightning.pytorch.strategies.launchers.subprocess_script",
+    "pytorch_lightning.strategies.launchers.subprocess_script",
+)
 OBSERVER_MODULES = (
     "lightning.fabric.strategies.launchers.subprocess_script",
     "lightning_fabric.strategies.launchers.subprocess_script",
@@ -69,6 +80,26 @@ def before_observer_kills(hook: Callable[[], None]) -> None:
 
         _terminate_all.__wrapped__ = original  # type: ignore[attr-defined]
         observer._terminate_all = _terminate_all
+
+
+def before_children_start(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` in the leader just before Lightning's subprocess launcher starts
+    the child processes (``_SubprocessScriptLauncher._call_children_scripts``, Fabric's
+    and the Trainer's), so what the children inherit is set only when they exist.
+
+    Installed once per process and Lightning copy; the latest ``hook`` wins.
+    """
+    for module in _imported(LAUNCHER_MODULES):
+        launcher: Any = module._SubprocessScriptLauncher
+        current = launcher._call_children_scripts
+        original = getattr(current, "__wrapped__", current)
+
+        def _call_children_scripts(self: Any, original: Any = original) -> None:
+            hook()
+            original(self)
+
+        _call_children_scripts.__wrapped__ = original  # type: ignore[attr-defined]
+        launcher._call_children_scripts = _call_children_scripts
 
 
 def sigterm_without_broadcast(is_active: Callable[[], bool]) -> None:

@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 INJECTED_ARGUMENTS = ("pipeline_directory", "previous_pipeline_directory", "pipeline_id")
 """Arguments NePS passes only when the function's signature names them
@@ -99,3 +102,105 @@ def record_crashed(trial_id: str, root_directory: Path, error: BaseException) ->
 
     exc = error if isinstance(error, Exception) else RuntimeError(str(error))
     save_pipeline_results({"exception": exc}, trial_id, Path(root_directory))
+
+
+# -- trial leases (used by neps_bcast.lease) -------------------------------------------
+# NePS 0.17 only hands out `pending` trials and has no heartbeat: a trial whose worker
+# died stays `evaluating` for ever. neps_bcast puts such a trial back to `pending`, under
+# NePS's own trial lock, with NePS's own ``Trial.reset`` (which keeps the id, config,
+# location, previous location and time sampled, so NePS picks it up first).
+
+
+@dataclass(frozen=True)
+class EvaluatingTrial:
+    trial_id: str
+    location: Path
+    time_started: float | None
+    worker_id: str | None
+
+
+class TrialBook:
+    """NePS's trials while this process holds NePS's trial lock (see ``locked_trials``)."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+        self._trials: dict[str, Any] = state._trial_repo.latest()
+
+    def evaluating(self) -> list[EvaluatingTrial]:
+        from neps.state.trial import State
+
+        return [
+            EvaluatingTrial(
+                trial_id=str(t.id),
+                location=Path(t.metadata.location),
+                time_started=t.metadata.time_started,
+                worker_id=t.metadata.evaluating_worker_id,
+            )
+            for t in self._trials.values()
+            if t.metadata.state == State.EVALUATING
+        ]
+
+    def state_of(self, trial_id: str) -> str | None:
+        trial = self._trials.get(trial_id)
+        return None if trial is None else str(trial.metadata.state.value)
+
+    def set_pending(self, trial_id: str) -> None:
+        """Back to `pending`: NePS's next free worker evaluates it again (same config,
+        same pipeline directory, same previous pipeline directory)."""
+        trial = self._trials[trial_id]
+        trial.reset()
+        trial.report = None
+        self._state._trial_repo.update_trial(trial, hints="metadata")
+
+    def set_crashed(self, trial_id: str, error: Exception) -> None:
+        """Recorded `crashed` with ``error``, as NePS records an evaluation that raised."""
+        import time
+
+        trial = self._trials[trial_id]
+        report = trial.set_complete(
+            report_as="crashed",
+            time_end=time.time(),
+            objective_to_minimize=None,
+            cost=None,
+            learning_curve=None,
+            err=error,
+            tb=str(error),
+            extra=None,
+            evaluation_duration=None,
+        )
+        worker_id = trial.metadata.evaluating_worker_id or "neps_bcast"
+        self._state._report_trial_evaluation(trial, report, worker_id=worker_id)
+
+
+def use_neps_locking() -> None:
+    """Lock NePS's files with the function NePS itself uses (``lockf`` by default,
+    ``NEPS_LINUX_FILELOCK_FUNCTION``): ``neps.run`` sets it only when it starts, and a
+    ``flock`` does not exclude a ``lockf`` on Linux."""
+    import fcntl
+
+    import portalocker.portalocker as portalocker_lock_module
+    from neps.env import LINUX_FILELOCK_FUNCTION
+
+    name = LINUX_FILELOCK_FUNCTION.lower()
+    if name in ("flock", "lockf"):
+        portalocker_lock_module.LOCKER = getattr(fcntl, name)
+
+
+@contextmanager
+def locked_trials(root_directory: Path) -> Iterator[TrialBook | None]:
+    """Hold NePS's own trial lock on ``root_directory``; None if there is no NePS state.
+
+    Never call it from a thread while NePS's worker holds the lock in this process:
+    POSIX locks belong to the process, so a second one would not wait, and closing it
+    would release NePS's.
+    """
+    from neps.state.neps_state import NePSState
+
+    root = Path(root_directory)
+    if not (root / "optimizer_state.pkl").exists():
+        yield None
+        return
+    use_neps_locking()
+    state = NePSState.create_or_load(path=root, load_only=True)
+    with state._trial_lock.lock():
+        yield TrialBook(state)

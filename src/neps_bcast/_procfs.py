@@ -50,6 +50,17 @@ def read_stat(pid: int) -> ProcStat | None:
     )
 
 
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (``starttime``, field 22 of
+    ``/proc/<pid>/stat``); None if it is gone. A pid reused by a new process has a new
+    start time: (pid, start time) names one process for as long as the machine is up."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2 :].split()[19])
+
+
 def is_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     stat = read_stat(pid)

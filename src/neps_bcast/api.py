@@ -6,6 +6,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,12 @@ from typing import Any
 import torch.distributed as dist
 
 from neps_bcast import _lightning_compat, _neps_compat, external, leader
-from neps_bcast.config import Settings
+from neps_bcast.auth import Signer, new_secret, secret_from_env
+from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.errors import NepsBcastError, format_message
 from neps_bcast.follower import follow
 from neps_bcast.launch import Launch, detect
+from neps_bcast.lease import Leases
 from neps_bcast.rendezvous import fingerprint
 from neps_bcast.root_guard import RootGuard
 from neps_bcast.runtime import Runtime, active
@@ -35,8 +38,10 @@ def run(
     settings = Settings.from_env()
     launch = detect()
     fn = _resolve(evaluate_pipeline, launch)
-    rt = Runtime(launch, settings)
+    rt = Runtime(launch, settings, _signer(launch))
     _lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
+    if launch.kind == "single":
+        _lightning_compat.before_children_start(_prepare_children)
     with rt.activated():
         if launch.kind == "single":
             _lead(rt, fn, pipeline_space, kwargs)
@@ -55,6 +60,22 @@ def run(
                     dist.destroy_process_group()
 
 
+def _signer(launch: Launch) -> Signer:
+    """The search's secret as far as this process knows it at start (see ``auth``)."""
+    if launch.kind == "lightning_child":
+        assert launch.child_secret is not None  # detect() refuses a child without one
+        for name in INTERNAL:  # the user's own subprocesses must not inherit them
+            os.environ.pop(name, None)
+        return Signer(bytes.fromhex(launch.child_secret))
+    return Signer(secret_from_env() or new_secret())
+
+
+def _prepare_children() -> None:
+    rt = active()
+    if rt is not None:
+        rt.prepare_children()
+
+
 def _follow(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) -> None:
     try:
         with sigterm_raises():
@@ -71,22 +92,31 @@ def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict
     root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT)).resolve()
     kwargs = {**kwargs, "root_directory": root}
     guard = RootGuard(root, rt.tag, rt.settings.root_lock_timeout_s)
+    leases = Leases(root, rt.settings, lambda: rt.tag)
 
     @functools.wraps(fn)
     def first_trial_releases(*args: Any, **fn_kwargs: Any) -> Any:
         guard.release()  # NePS gave us a trial: the state on disk is complete
         return fn(*args, **fn_kwargs)
 
-    wrapped = leader.wrap(rt, first_trial_releases, root)
+    wrapped = leader.wrap(rt, first_trial_releases, root, leases)
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
-        _lightning_compat.before_observer_kills(lambda: leader.let_leader_record(rt, root))
+        _lightning_compat.before_observer_kills(
+            lambda: leader.let_leader_record(rt, root, leases)
+        )
     try:
         with sigterm_raises():
             guard.acquire()
             try:
-                space = guard.prepare(pipeline_space, bool(kwargs.get("overwrite_root_directory")))
+                overwrite = bool(kwargs.get("overwrite_root_directory"))
+                space = guard.prepare(pipeline_space, overwrite)
+                if not overwrite:
+                    # Before NePS samples: trials whose leader died go back to pending,
+                    # and NePS hands out pending trials before sampling new ones.
+                    leases.recover_orphans()
                 neps.run(wrapped, space, **kwargs)
             finally:
+                leases.close()
                 guard.release()
                 rt.settled.set()
     except leader.SearchAborted as aborted:

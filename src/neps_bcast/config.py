@@ -17,7 +17,9 @@ ENV_LEADER = "NEPS_BCAST_LEADER"
 """Internal: ``host:port`` of the leader's store, set by the leader for Lightning's children."""
 ENV_FIRST_SEQ = "NEPS_BCAST_FIRST_SEQ"
 """Internal: sequence number of the trial a Lightning child evaluates first."""
-INTERNAL = (ENV_LEADER, ENV_FIRST_SEQ)
+ENV_CHILD_SECRET = "NEPS_BCAST_CHILD_SECRET"  # noqa: S105 - a variable name, not a secret
+"""Internal: the search's secret, for Lightning's children only (removed once they joined)."""
+INTERNAL = (ENV_LEADER, ENV_FIRST_SEQ, ENV_CHILD_SECRET)
 
 
 @dataclass(frozen=True)

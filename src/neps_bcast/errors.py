@@ -50,6 +50,10 @@ class ProtocolError(NepsBcastError):
     """The ranks reached different points of the per-trial protocol."""
 
 
+class AuthError(NepsBcastError):
+    """A value read from a store or the channel failed authentication; nothing in it ran."""
+
+
 class LeaderLostError(NepsBcastError):
     """A follower lost its leader (the leader process died or closed the channel)."""
 

@@ -13,23 +13,33 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _torch_compat, rendezvous
+from neps_bcast import _torch_compat as _tc
+from neps_bcast import auth, rendezvous
 from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.rendezvous import Meeting
 from neps_bcast.runtime import Runtime
+from neps_bcast.store import put as store_put
+from neps_bcast.store import take as store_take
 
 
 def start(rt: Runtime, fingerprint: dict[str, str]) -> None:
-    """Meet, form the group (unless the user did), and join the channel."""
+    """Meet, agree on the secret, form the group (unless the user did), join the channel."""
     launch = rt.launch
+    user_secret = auth.secret_from_env()
+    if user_secret is not None:
+        rt.signer.use(user_secret)
     if dist.is_initialized():
         rt.observe_group()
-        _hand_over_on_the_users_group(rt)
+        _hand_over_on_the_users_group(rt, user_secret)
         rt.ensure_channel()
         return
     if launch.main_address is None or launch.main_port is None:
@@ -43,36 +53,95 @@ def start(rt: Runtime, fingerprint: dict[str, str]) -> None:
     assert launch.world_size is not None  # external launches always know it
     join_timeout = datetime.timedelta(seconds=rt.settings.join_timeout_s)
     store = rendezvous.rendezvous_store(launch, join_timeout)
-    prefix = rendezvous.meet(launch, store, fingerprint, join_timeout)
+    # The secret is compared like the arguments: a rank with another one is named on
+    # every rank before trial 1 (by a check value, never the secret itself).
+    check = rt.signer.check_value("meet") if user_secret is not None else "not set"
+    meeting = rendezvous.meet(launch, store, {**fingerprint, auth.ENV_SECRET: check}, join_timeout)
+    prefix = meeting.prefix
+    rt.link.loopback = meeting.is_single_host
+    shared = _tc.PrefixStore(prefix, store)
+    secret_file = None
+    if user_secret is None:
+        secret_file = _agree_on_a_secret(rt, shared, meeting)
     backend = _backend(rt)
     rt.log(logging.DEBUG, "forming the DDP group (%s)", backend)
     dist.init_process_group(
         backend,
-        store=_torch_compat.PrefixStore(f"{prefix}/pg", store),
+        store=_tc.PrefixStore(f"{prefix}/pg", store),
         rank=launch.global_rank,
         world_size=launch.world_size,
     )
     rt.owns_group = True
     rt.observe_group()
-    meeting = _torch_compat.PrefixStore(prefix, store)
-    if rt.group_rank == 0:
-        meeting.set("leader", f"{_leader_address(rt)}:{rt.link.serve().port}")
-    else:
-        rt.link.connect(meeting.get("leader").decode())
-    rt.ensure_channel()
-
-
-def _hand_over_on_the_users_group(rt: Runtime) -> None:
-    """The user formed the group before neps_bcast.run: hand the address over on it."""
-    address = None
     if rt.group_rank == 0:
         address = f"{_leader_address(rt)}:{rt.link.serve().port}"
+        store_put(shared, rt.signer, "leader", address.encode())
+    else:
+        rt.link.connect(store_take(shared, rt.signer, "leader").decode())
+    try:
+        rt.ensure_channel()
+    finally:
+        if secret_file is not None:  # every rank has joined: it has read the secret
+            secret_file.unlink(missing_ok=True)
+
+
+def _agree_on_a_secret(rt: Runtime, shared: _tc.Store, meeting: Meeting) -> Path | None:
+    """No NEPS_BCAST_SECRET: the leader makes one and hands it to the other ranks.
+
+    On one host, through a file only this user can read (its path goes through the
+    launcher's store, the secret does not). On several hosts there is no private way,
+    so it goes through the launcher's store, and every rank warns once.
+    """
+    if not meeting.is_single_host:
+        hosts = len(set(meeting.hosts))
+        rt.log(
+            logging.WARNING,
+            "this group spans %d hosts and %s is not set: the control store and channel"
+            " are authenticated with a secret that passed through the launcher's store,"
+            " so anyone who can reach that store's port can read it and drive the ranks."
+            " HINT: export %s=<a long random string> to every rank (sbatch exports it to"
+            " every task).",
+            hosts,
+            auth.ENV_SECRET,
+            auth.ENV_SECRET,
+        )
+    path: Path | None = None
+    if rt.group_rank == 0:
+        secret = auth.new_secret()
+        if meeting.is_single_host:
+            handle, name = tempfile.mkstemp(prefix="neps_bcast-secret-")  # mode 0600
+            with os.fdopen(handle, "w") as f:
+                f.write(auth.secret_text(secret))
+            path = Path(name)
+            shared.set("secret_file", name)
+        else:
+            shared.set("secret", auth.secret_text(secret))
+    elif meeting.is_single_host:
+        secret = bytes.fromhex(Path(shared.get("secret_file").decode()).read_text())
+    else:
+        secret = bytes.fromhex(shared.get("secret").decode())
+    rt.signer.use(secret)
+    return path
+
+
+def _hand_over_on_the_users_group(rt: Runtime, user_secret: bytes | None) -> None:
+    """The user formed the group before neps_bcast.run: hand the address (and, without
+    NEPS_BCAST_SECRET, the secret) over on it: its connections link the ranks directly."""
     gloo = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    box: list[Any] = [address]
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=gloo)
+    rt.link.loopback = len(set(hosts)) == 1
+    box: list[Any] = [None, None]
+    if rt.group_rank == 0:
+        box = [f"{_leader_address(rt)}:{rt.link.serve().port}", None]
+        if user_secret is None:
+            box[1] = auth.secret_text(rt.signer.secret)
     dist.broadcast_object_list(box, src=0, group=gloo)
     if gloo is not None:
         dist.destroy_process_group(gloo)
     if rt.group_rank != 0:
+        if box[1] is not None:
+            rt.signer.use(bytes.fromhex(str(box[1])))
         rt.link.connect(str(box[0]))
 
 

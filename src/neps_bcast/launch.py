@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
+from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import LaunchError, format_message
 
 LaunchKind = Literal["single", "lightning_child", "external"]
@@ -39,6 +39,7 @@ class Launch:
     main_port: int | None = None
     leader_store: str | None = None
     first_seq: int | None = None
+    child_secret: str | None = None
 
 
 def _int_env(name: str, env: dict[str, str]) -> int:
@@ -154,12 +155,13 @@ def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
                 "launch several nodes with torchrun (--nnodes, c10d rendezvous) or srun.",
             )
         )
-    if ENV_FIRST_SEQ not in env:
+    if ENV_FIRST_SEQ not in env or ENV_CHILD_SECRET not in env:
         raise LaunchError(
             format_message(
                 f"neps_bcast rank {local_rank}/? follower",
-                f"{ENV_LEADER} is set but {ENV_FIRST_SEQ} is missing, so this process"
-                " cannot know which trial to start with.",
+                f"{ENV_LEADER} is set but {ENV_FIRST_SEQ} or {ENV_CHILD_SECRET} is"
+                " missing, so this process cannot know which trial to start with or"
+                " check that it comes from its leader.",
                 "do not set NEPS_BCAST_* variables by hand; let neps_bcast.run set them.",
             )
         )
@@ -175,4 +177,5 @@ def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
         main_port=_int_env("MASTER_PORT", env) if "MASTER_PORT" in env else None,
         leader_store=env[ENV_LEADER],
         first_seq=_int_env(ENV_FIRST_SEQ, env),
+        child_secret=env[ENV_CHILD_SECRET],
     )

@@ -8,13 +8,15 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from neps_bcast import _neps_compat
-from neps_bcast.errors import FollowerLostError, TrialFailedError, format_message
-from neps_bcast.messages import TrialMessage
-from neps_bcast.protocol import evaluate_once, failure_text
+from neps_bcast.errors import FollowerLostError, TrialFailedError, first_line, format_message
+from neps_bcast.lease import Leases
+from neps_bcast.messages import ErrorRecord, TrialMessage
+from neps_bcast.protocol import Outcome, evaluate_once, failure_text
 from neps_bcast.runtime import Runtime
+from neps_bcast.signals import Terminated
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""
@@ -32,7 +34,9 @@ class SearchAborted(BaseException):
         self.error = error
 
 
-def wrap(rt: Runtime, fn: Callable[..., Any], root_directory: Path) -> Callable[..., Any]:
+def wrap(
+    rt: Runtime, fn: Callable[..., Any], root_directory: Path, leases: Leases | None = None
+) -> Callable[..., Any]:
     """The function handed to ``neps.run`` in place of the user's.
 
     ``functools.wraps`` keeps the user's signature visible to NePS, so NePS injects
@@ -43,16 +47,53 @@ def wrap(rt: Runtime, fn: Callable[..., Any], root_directory: Path) -> Callable[
 
     @functools.wraps(fn)
     def evaluate(**kwargs: Any) -> Any:
-        return evaluate_on_group(rt, fn, kwargs, root_directory)
+        return evaluate_on_group(rt, fn, kwargs, root_directory, leases)
 
     return evaluate
 
 
 def evaluate_on_group(
-    rt: Runtime, fn: Callable[..., Any], kwargs: dict[str, Any], root_directory: Path
+    rt: Runtime,
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    root_directory: Path,
+    leases: Leases | None = None,
 ) -> Any:
-    """Hand the trial NePS is evaluating to the group, evaluate it here, end it."""
+    """Hand the trial NePS is evaluating to the group, evaluate it here, end it.
+
+    With ``leases``, the trial is leased while it runs; an infrastructure failure
+    (SIGTERM, a lost or terminated follower) puts it back to pending instead of
+    recording it crashed; and, once it ended, orphans of other leaders are handed back
+    before NePS chooses the next trial.
+    """
     info = _neps_compat.current_trial()
+    if leases is not None and info.pipeline_directory is not None:
+        leases.take(info.trial_id, info.pipeline_directory)
+    try:
+        outcome = _hand_and_evaluate(rt, fn, kwargs, root_directory, leases, info)
+    finally:
+        if leases is not None:
+            leases.drop()
+    if leases is not None:
+        _recover_orphans(rt, leases)
+    if outcome.failures:
+        raise TrialFailedError(
+            format_message(rt.tag, failure_text(outcome.failures, info.trial_id)),
+            failures=outcome.failures,
+        ) from outcome.error
+    if outcome.error is not None:
+        raise outcome.error
+    return outcome.result
+
+
+def _hand_and_evaluate(
+    rt: Runtime,
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    root_directory: Path,
+    leases: Leases | None,
+    info: _neps_compat.NepsTrialInfo,
+) -> Outcome:
     rt.seq += 1
     message = TrialMessage(
         seq=rt.seq,
@@ -65,45 +106,95 @@ def evaluate_on_group(
         rt.send(message)
         rt.reform_group()  # after the send: followers re-form once they hold the trial
     except FollowerLostError as exc:
-        _abort(rt, info.trial_id, root_directory, exc)
+        _abort(rt, info, root_directory, leases, exc)
     rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
     try:
         outcome = evaluate_once(rt, fn, message)
     except FollowerLostError as exc:
-        _abort(rt, info.trial_id, root_directory, exc)
+        _abort(rt, info, root_directory, leases, exc)
     except BaseException as exc:
-        # Ctrl-C, SIGTERM, sys.exit: record the trial before leaving, never leave it
-        # "evaluating" in NePS's state.
-        _neps_compat.record_crashed(
-            info.trial_id,
-            root_directory,
-            RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
-        )
+        # Ctrl-C, SIGTERM, sys.exit: settle the trial before leaving, never leave it
+        # "evaluating" in NePS's state. SIGTERM (preemption, a time limit) is no fault
+        # of the trial: it goes back to pending; the others are the user's stop.
+        if isinstance(exc, Terminated) and leases is not None and info.pipeline_directory:
+            what = leases.give_back(
+                info.trial_id, info.pipeline_directory, f"preempted: SIGTERM to the leader ({exc})"
+            )
+            rt.log(
+                logging.WARNING,
+                "SIGTERM in trial %s: %s; exit code %s asks to requeue",
+                info.trial_id,
+                what,
+                exc.code,
+            )
+        else:
+            _neps_compat.record_crashed(
+                info.trial_id,
+                root_directory,
+                RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
+            )
         rt.settled.set()
         raise
-    if outcome.failures:
-        raise TrialFailedError(
-            format_message(rt.tag, failure_text(outcome.failures, message.trial_id)),
-            failures=outcome.failures,
-        ) from outcome.error
-    if outcome.error is not None:
-        raise outcome.error
-    return outcome.result
+    terminated = _terminated_followers(outcome.failures)
+    if terminated and leases is not None:
+        # A follower got SIGTERM (and is leaving): the group is broken, and the trial
+        # was preempted, not failed by its config.
+        lost = FollowerLostError(
+            format_message(
+                rt.tag,
+                "; ".join(
+                    f"rank {r.group_rank} was terminated ({r.type_name}: {r.message})"
+                    for r in terminated
+                )
+                + f" in trial {info.trial_id}.",
+                "the search stops here (its group lost a rank); the trial goes back to"
+                " pending, and running the same command again evaluates it.",
+            )
+        )
+        _abort(rt, info, root_directory, leases, lost)
+    return outcome
 
 
-def _abort(rt: Runtime, trial_id: str, root_directory: Path, exc: FollowerLostError) -> None:
+def _terminated_followers(failures: list[ErrorRecord]) -> list[ErrorRecord]:
+    """Followers whose own failure was a SIGTERM (``Terminated``), root causes only."""
+    return [
+        r
+        for r in failures
+        if r.group_rank != 0 and not r.secondary and r.type_name == Terminated.__name__
+    ]
+
+
+def _recover_orphans(rt: Runtime, leases: Leases) -> None:
+    """Between trials: hand back other leaders' orphans (never fails the search)."""
+    try:
+        leases.recover_orphans()
+    except Exception as exc:  # noqa: BLE001 - a failed check is retried after the next trial
+        rt.log(logging.WARNING, "could not check for orphaned trials: %s", exc)
+
+
+def _abort(
+    rt: Runtime,
+    info: _neps_compat.NepsTrialInfo,
+    root_directory: Path,
+    leases: Leases | None,
+    exc: FollowerLostError,
+) -> NoReturn:
     rt.log(logging.ERROR, "%s", exc)
-    _neps_compat.record_crashed(trial_id, root_directory, exc)
+    if leases is not None and info.pipeline_directory is not None:
+        what = leases.give_back(info.trial_id, info.pipeline_directory, first_line(exc))
+        rt.log(logging.WARNING, "trial %s: %s", info.trial_id, what)
+    else:
+        _neps_compat.record_crashed(info.trial_id, root_directory, exc)
     rt.settled.set()
     raise SearchAborted(exc) from exc
 
 
-def let_leader_record(rt: Runtime, root_directory: Path) -> None:
+def let_leader_record(rt: Runtime, root_directory: Path, leases: Leases | None = None) -> None:
     """Lightning's observer is about to SIGKILL this launch (a child exited non-zero):
-    give the leader time to record the running trial and leave by itself; if it is
-    stuck, record the trial here, so it is never left "evaluating"."""
+    give the leader time to settle the running trial and leave by itself; if it is
+    stuck, settle the trial here, so it is never left "evaluating"."""
     if rt.settled.wait(RECORD_GRACE_S):
-        time.sleep(RECORD_GRACE_S)  # recorded: it is leaving; kill only if it hangs
+        time.sleep(RECORD_GRACE_S)  # settled: it is leaving; kill only if it hangs
         return
     run = rt.current
     if run is None:
@@ -111,4 +202,8 @@ def let_leader_record(rt: Runtime, root_directory: Path) -> None:
     error = rt.lost(RuntimeError("Lightning's process observer is ending the launch"))
     rt.log(logging.ERROR, "%s", error)
     with contextlib.suppress(Exception):
-        _neps_compat.record_crashed(run.message.trial_id, root_directory, error)
+        directory = run.message.pipeline_directory
+        if leases is not None and directory is not None:
+            leases.give_back(run.message.trial_id, Path(directory), first_line(error))
+        else:
+            _neps_compat.record_crashed(run.message.trial_id, root_directory, error)

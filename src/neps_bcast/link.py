@@ -17,21 +17,27 @@ import os
 from collections.abc import Callable, Iterator
 
 from neps_bcast import _log, peers, sockets, store, watchdog
-from neps_bcast._torch_compat import TCPStore, set_bytes
+from neps_bcast._torch_compat import TCPStore
+from neps_bcast.auth import Signer
 from neps_bcast.channel import Channel, ChannelClosedError, GlooChannel, JoinTimeoutError
 from neps_bcast.config import Settings
 from neps_bcast.errors import LeaderLostError, ProtocolError, format_message
 
 
 class Link:
-    def __init__(self, group_rank: int, settings: Settings, tag: Callable[[], str]) -> None:
+    def __init__(
+        self, group_rank: int, settings: Settings, tag: Callable[[], str], signer: Signer
+    ) -> None:
         self.group_rank = group_rank
         self.settings = settings
         self._tag = tag
+        self.signer = signer
+        self.loopback = True
+        """Serve the store on loopback only (every rank is on this host)."""
         self.store: TCPStore | None = None
         self.channel: Channel | None = None
         self.watch: watchdog.LeaderWatch | None = None
-        self.peers = peers.Peers(group_rank)
+        self.peers = peers.Peers(group_rank, signer)
         self.own: set[int] = set()
         """Inodes of neps_bcast's own connections (never shut when the group is released)."""
         self.stopping = False
@@ -54,7 +60,7 @@ class Link:
         """Leader: the store, started on first use."""
         if self.store is None:
             with self.own_connections():
-                self.store = store.serve(self.wait_timeout)
+                self.store = store.serve(self.wait_timeout, loopback=self.loopback)
             self.peers.publish(self.store)
         return self.store
 
@@ -66,7 +72,12 @@ class Link:
                     address, self.wait_timeout, self.settings.connect_timeout_s
                 )
                 self.watch = watchdog.LeaderWatch(
-                    address, self.group_rank, self._tag, lambda: self.stopping, self.settings
+                    address,
+                    self.group_rank,
+                    self._tag,
+                    lambda: self.stopping,
+                    self.settings,
+                    self.signer,
                 )
             self.peers.publish(self.store)
         except Exception as exc:
@@ -112,8 +123,13 @@ class Link:
     def leave_trial_for_children(self, seq: int, payload: bytes) -> str:
         """Leader before its group exists: the trial, where Lightning's children find it."""
         target = self.serve()
-        set_bytes(target, store.Keys.trial(seq), payload)
+        store.put(target, self.signer, store.Keys.trial(seq), payload)
         return f"127.0.0.1:{target.port}"
+
+    def trial_left_by_leader(self, seq: int) -> bytes:
+        """Lightning child: the trial its leader left in the store (tag checked)."""
+        assert self.store is not None
+        return store.take(self.store, self.signer, store.Keys.trial(seq))
 
     def release_followers(self, world_size: int) -> None:
         """Leader at the end: every follower's watch may end quietly from now on."""
@@ -121,7 +137,7 @@ class Link:
             return
         with contextlib.suppress(Exception):  # losing us is normal from now on
             for r in range(1, world_size):
-                set_bytes(self.store, store.Keys.released(r), b"1")
+                store.put(self.store, self.signer, store.Keys.released(r), b"1")
 
     def release_watch(self) -> None:
         """Follower leaving (normally or not): end the leader watch first."""

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from neps_bcast import _procfs, sockets
 from neps_bcast._torch_compat import Store
-from neps_bcast.store import Keys, publish_json, read_json
+from neps_bcast.auth import Signer
+from neps_bcast.store import Keys, put_json, take_json
 
 EXIT_STATUS_WAIT_S = 2.0
 """How long the leader waits for a lost child's exit status before describing it."""
@@ -67,14 +68,15 @@ def this_process(group_rank: int) -> Peer:
 class Peers:
     """The group's ranks as published on the leader's store (read lazily, cached)."""
 
-    def __init__(self, group_rank: int) -> None:
+    def __init__(self, group_rank: int, signer: Signer) -> None:
         self.group_rank = group_rank
+        self.signer = signer
         self._known: dict[int, Peer] = {}
 
     def publish(self, store: Store) -> None:
         me = this_process(self.group_rank)
         self._known[self.group_rank] = me
-        publish_json(store, Keys.rank(self.group_rank), me.to_json())
+        put_json(store, self.signer, Keys.rank(self.group_rank), me.to_json())
 
     def others(self, store: Store | None, world_size: int | None) -> list[Peer]:
         """Every other rank known so far (reads the ones not yet seen)."""
@@ -84,7 +86,7 @@ class Peers:
                     continue
                 with contextlib.suppress(Exception):
                     if store.check([Keys.rank(r)]):
-                        peer = Peer.from_json(r, read_json(store, Keys.rank(r)))
+                        peer = Peer.from_json(r, take_json(store, self.signer, Keys.rank(r)))
                         if peer is not None:
                             self._known[r] = peer
         return [p for r, p in sorted(self._known.items()) if r != self.group_rank]

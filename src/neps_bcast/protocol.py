@@ -108,7 +108,7 @@ class TrialRun:
 
     def _board(self) -> ErrorBoard | None:
         store = self.rt.link.store
-        return ErrorBoard(store) if store is not None else None
+        return ErrorBoard(store, self.rt.signer, self.rt.tag) if store is not None else None
 
     def _publish(self, record: ErrorRecord) -> None:
         board = self._board()

@@ -23,6 +23,8 @@ import datetime
 import json
 import os
 import re
+import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -122,16 +124,27 @@ def rendezvous_store(launch: Launch, timeout: datetime.timedelta) -> tc.Store:
         raise LaunchError(format_message(_tag(launch), what, hint)) from exc
 
 
+@dataclass(frozen=True)
+class Meeting:
+    """What the ranks learned when they met."""
+
+    prefix: str
+    """Key prefix of this launch attempt on the rendezvous store."""
+    hosts: tuple[str, ...]
+    """Each rank's host name, by rank."""
+
+    @property
+    def is_single_host(self) -> bool:
+        return len(set(self.hosts)) == 1
+
+
 def meet(
     launch: Launch,
     store: tc.Store,
     mine: dict[str, str],
     timeout: datetime.timedelta,
-) -> str:
-    """Check in, wait (bounded) for every rank, and compare fingerprints.
-
-    Returns the key prefix of this launch attempt on the rendezvous store.
-    """
+) -> Meeting:
+    """Check in, wait (bounded) for every rank, and compare fingerprints."""
     assert launch.world_size is not None
     world = launch.world_size
     attempt = "/".join(
@@ -142,7 +155,8 @@ def meet(
     )
     prefix = f"neps_bcast/meet/{attempt}"
     base = tc.PrefixStore(prefix, store)
-    base.set(f"in/{launch.global_rank}", json.dumps({"pid": os.getpid(), **mine}))
+    me = {"pid": os.getpid(), "host": socket.gethostname(), **mine}
+    base.set(f"in/{launch.global_rank}", json.dumps(me))
     _wait_all(
         launch,
         base,
@@ -164,7 +178,7 @@ def meet(
         failure="left during the startup check",
         hint="see the log of the ranks named.",
     )
-    names = sorted({name for r in raw for name in r} - {"pid"})
+    names = sorted({name for r in raw for name in r} - {"pid", "host"})
     differ = [name for name in names if len({r.get(name, "<missing>") for r in raw}) > 1]
     if differ:
         lines = "; ".join(
@@ -182,7 +196,7 @@ def meet(
                 " check per-rank environment variables and command lines.",
             )
         )
-    return prefix
+    return Meeting(prefix, tuple(str(r.get("host", "?")) for r in raw))
 
 
 def _wait_all(

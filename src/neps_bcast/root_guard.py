@@ -19,8 +19,9 @@ classic space (same parameters, categorical choices in any order) it lets NePS l
 that space from disk (``pipeline_space=None``, NePS's documented way to continue a run)
 instead of comparing pickles. A space that really differs is passed on unchanged, and
 NePS's own error explains it. Only neps_bcast leaders take this lock: start every worker
-with ``neps_bcast.run``. ``flock`` needs a filesystem that supports it (local disks, most
-NFSv4 and Lustre mounts).
+with ``neps_bcast.run``. The lock is ``flock``, the kind NePS 0.17 itself takes on its
+state (through ``portalocker``), so it works wherever NePS's own locking works; the
+lock file is created owner-only (0600) and opened read-only.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ class RootGuard:
     def acquire(self) -> None:
         timeout = self.timeout_s
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        handle = self.lock_path.open("ab")
+        # Owner-only, and opened without write: flock needs neither (NePS's own locks,
+        # through portalocker, are flock too, so this works wherever NePS does).
+        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        handle = os.fdopen(fd, "rb")
         deadline = time.monotonic() + timeout
         waited = False
         while True:

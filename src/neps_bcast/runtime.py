@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from neps_bcast import _log, store
+from neps_bcast import _log
+from neps_bcast.auth import Signer, new_secret, secret_text
 from neps_bcast.channel import ChannelClosedError
-from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER, Settings
+from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
 from neps_bcast.errors import (
+    AuthError,
     FollowerLostError,
     LeaderLostError,
     ProtocolError,
@@ -34,6 +36,9 @@ from neps_bcast.messages import Message, Report, StopMessage, TrialMessage, deco
 if TYPE_CHECKING:
     from neps_bcast.protocol import TrialRun
 
+_CHANNEL = "channel"
+"""Authentication context of every message on the control channel."""
+
 _ACTIVE: Runtime | None = None
 
 
@@ -42,16 +47,22 @@ def active() -> Runtime | None:
 
 
 class Runtime:
-    def __init__(self, launch: Launch, settings: Settings | None = None) -> None:
+    def __init__(
+        self, launch: Launch, settings: Settings | None = None, signer: Signer | None = None
+    ) -> None:
         self.launch = launch
         self.settings = settings or Settings.from_env()
+        self.signer = signer or Signer(new_secret())
         self.group_rank = launch.global_rank
         # A Lightning child's WORLD_SIZE is the Trainer's plan; the group tells the truth
         # once it exists (before that, joining the channel would deadlock with the
         # leader's init_process_group).
         known = launch.world_size if launch.kind == "external" else None
         self.group = UserGroup(self.group_rank, known, lambda: self.tag)
-        self.link = Link(self.group_rank, self.settings, lambda: self.tag)
+        self.link = Link(self.group_rank, self.settings, lambda: self.tag, self.signer)
+        self._first: tuple[int, bytes] | None = None
+        """Leader before its group exists: the trial Lightning's children will start with."""
+        self._set_env: list[str] = []
         self.current: TrialRun | None = None
         self.seq = 0
         self.owns_group = False
@@ -111,7 +122,30 @@ class Runtime:
         if (self.world_size or 0) <= 1 or self.link.store is None:
             return False
         self.link.join(self.world_size or 0, self.lost)
+        self._forget_children_env()  # the children have joined: nothing left to inherit
         return True
+
+    def prepare_children(self) -> None:
+        """Leader, just before Lightning starts its children: leave them the trial.
+
+        Runs in Lightning's launcher (``_lightning_compat.before_children_start``), so a
+        search whose function never starts child processes never serves a store.
+        """
+        if self._first is None or self.link.channel is not None:
+            return
+        seq, payload = self._first
+        env = {
+            ENV_LEADER: self.link.leave_trial_for_children(seq, payload),
+            ENV_FIRST_SEQ: str(seq),
+            ENV_CHILD_SECRET: secret_text(self.signer.secret),
+        }
+        os.environ.update(env)
+        self._set_env = list(env)
+
+    def _forget_children_env(self) -> None:
+        for name in self._set_env:
+            os.environ.pop(name, None)
+        self._set_env = []
 
     def send(self, message: Message) -> None:
         """Leader: hand a message to every follower (first contact or broadcast)."""
@@ -119,12 +153,11 @@ class Runtime:
         if self.ensure_channel():
             assert self.link.channel is not None
             try:
-                self.link.channel.broadcast(payload)
+                self.link.channel.broadcast(self.signer.sign(_CHANNEL, payload))
             except ChannelClosedError as exc:
                 raise self.lost(exc) from exc
         elif isinstance(message, TrialMessage):
-            os.environ[ENV_LEADER] = self.link.leave_trial_for_children(message.seq, payload)
-            os.environ[ENV_FIRST_SEQ] = str(message.seq)
+            self._first = (message.seq, payload)
 
     def receive(self) -> TrialMessage | StopMessage:
         """Follower: wait (blocked, no polling) for the leader's next message."""
@@ -141,15 +174,17 @@ class Runtime:
             payload = self.link.channel.broadcast(None)
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
-        return _expect_order(decode(payload, tag=self.tag), self.tag)
+        return _expect_order(decode(self.signer.open(_CHANNEL, payload), tag=self.tag), self.tag)
 
     def first_contact(self) -> TrialMessage:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
         assert self.launch.leader_store is not None
         assert self.launch.first_seq is not None
-        leader_store = self.link.connect(self.launch.leader_store)
+        self.link.connect(self.launch.leader_store)
         try:
-            payload = leader_store.get(store.Keys.trial(self.launch.first_seq))
+            payload = self.link.trial_left_by_leader(self.launch.first_seq)
+        except AuthError:
+            raise
         except Exception as exc:
             raise self.lost(exc) from exc
         message = _expect_order(decode(payload, tag=self.tag), self.tag)
@@ -163,10 +198,12 @@ class Runtime:
             return None
         assert self.link.channel is not None
         try:
-            raw = self.link.channel.allgather(encode(report, tag=self.tag))
+            raw = self.link.channel.allgather(
+                self.signer.sign(_CHANNEL, encode(report, tag=self.tag))
+            )
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
-        reports = [decode(r, tag=self.tag) for r in raw]
+        reports = [decode(self.signer.open(_CHANNEL, r), tag=self.tag) for r in raw]
         typed = [r for r in reports if isinstance(r, Report)]
         if len(typed) != len(reports):
             raise ProtocolError(format_message(self.tag, "a rank sent a non-report."))
@@ -208,15 +245,13 @@ class Runtime:
         """Leader and followers at STOP: the leader exits only after every goodbye."""
         if self.link.channel is not None:
             try:
-                self.link.channel.allgather(b"bye")
+                self.link.channel.allgather(self.signer.sign(_CHANNEL, b"bye"))
             except ChannelClosedError:
                 self.log(logging.DEBUG, "a peer left before saying goodbye")
 
     def close(self) -> None:
         self.link.close()
-        if self.launch.kind == "single":
-            for name in (ENV_LEADER, ENV_FIRST_SEQ):
-                os.environ.pop(name, None)
+        self._forget_children_env()
 
 
 def _expect_order(message: Message, tag: str) -> TrialMessage | StopMessage:

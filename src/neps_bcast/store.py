@@ -5,16 +5,25 @@ what must exist before or outside the control channel: the first trial of Lightn
 children, who each rank is (host, pid), the channel's rendezvous, the error board (each
 rank's failure of a trial, readable by every rank before the group is released), and
 the keys that end each follower's leader watch. Every key is built here (``Keys``);
-values are bytes, and records are JSON (never unpickled).
+values are bytes, records are JSON (never unpickled), and every value carries an
+authentication tag for the key it was written under (``auth.Signer``): a value an
+outsider wrote is refused before anything reads it.
+
+When every rank runs on this host (Lightning's own launcher, a single-node torchrun or
+srun) the store listens on the loopback interface only.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import logging
 import socket
 
+from neps_bcast import _log
 from neps_bcast._torch_compat import PrefixStore, Store, TCPStore, set_bytes
+from neps_bcast.auth import Signer
+from neps_bcast.errors import AuthError
 from neps_bcast.messages import ErrorRecord
 
 PREFIX = "neps_bcast"
@@ -53,14 +62,31 @@ class Keys:
         return f"{PREFIX}/watch/released/{group_rank}"
 
 
-def serve(timeout: datetime.timedelta) -> TCPStore:
-    """Start the leader's store on a port the OS picks."""
+def serve(timeout: datetime.timedelta, *, loopback: bool) -> TCPStore:
+    """Start the leader's store on a port the OS picks.
+
+    TCPStore itself listens on every interface whatever host it is given, so for a
+    loopback-only store it is handed a socket already bound to 127.0.0.1.
+    """
+    if not loopback:
+        return TCPStore(
+            "0.0.0.0",  # noqa: S104 - followers on other nodes connect here
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+        )
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
     return TCPStore(
-        "0.0.0.0",  # noqa: S104 - followers on other nodes connect here
-        0,
+        "127.0.0.1",
+        port,
         is_master=True,
         wait_for_workers=False,
         timeout=timeout,
+        master_listen_fd=listener.detach(),  # the store owns the socket from here on
     )
 
 
@@ -80,12 +106,22 @@ def prefixed(prefix: str, store: Store) -> PrefixStore:
     return PrefixStore(prefix, store)
 
 
-def publish_json(store: Store, key: str, value: object) -> None:
-    set_bytes(store, key, json.dumps(value).encode())
+def put(store: Store, signer: Signer, key: str, value: bytes) -> None:
+    """Write ``value`` under ``key`` with its authentication tag."""
+    set_bytes(store, key, signer.sign(key, value))
 
 
-def read_json(store: Store, key: str) -> object:
-    return json.loads(store.get(key).decode())
+def take(store: Store, signer: Signer, key: str) -> bytes:
+    """Read the value under ``key``; ``AuthError`` if its tag is not valid."""
+    return signer.open(key, store.get(key))
+
+
+def put_json(store: Store, signer: Signer, key: str, value: object) -> None:
+    put(store, signer, key, json.dumps(value).encode())
+
+
+def take_json(store: Store, signer: Signer, key: str) -> object:
+    return json.loads(take(store, signer, key).decode())
 
 
 class ErrorBoard:
@@ -95,11 +131,13 @@ class ErrorBoard:
     trip, so the record has landed); any rank reads every record of the trial.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, signer: Signer, tag: str) -> None:
         self.store = store
+        self.signer = signer
+        self.tag = tag
 
     def publish(self, seq: int, record: ErrorRecord) -> None:
-        set_bytes(self.store, Keys.error(seq, record.group_rank), record.to_json())
+        put(self.store, self.signer, Keys.error(seq, record.group_rank), record.to_json())
         self.store.add(Keys.error_count(seq), 1)
 
     def read(self, seq: int, world_size: int) -> list[ErrorRecord]:
@@ -108,8 +146,13 @@ class ErrorBoard:
         found = []
         for group_rank in range(world_size):
             key = Keys.error(seq, group_rank)
-            if self.store.check([key]):
-                record = ErrorRecord.from_json(self.store.get(key))
-                if record is not None:
-                    found.append(record)
+            if not self.store.check([key]):
+                continue
+            try:
+                record = ErrorRecord.from_json(take(self.store, self.signer, key))
+            except AuthError as exc:
+                _log.log(logging.ERROR, self.tag, "%s", exc)  # refused, and said so
+                continue
+            if record is not None and record.group_rank == group_rank:
+                found.append(record)
         return found

@@ -24,8 +24,10 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from neps_bcast import _log, store
-from neps_bcast._torch_compat import Store, set_bytes
+from neps_bcast._torch_compat import Store
+from neps_bcast.auth import Signer
 from neps_bcast.config import Settings
+from neps_bcast.errors import AuthError
 
 GRACE_S = 3.0
 """Time the follower's own code gets to notice the loss before the watch ends it."""
@@ -47,12 +49,14 @@ class LeaderWatch:
         tag: Callable[[], str],
         is_done: Callable[[], bool],
         settings: Settings,
+        signer: Signer,
     ) -> None:
         self.address = address
         self.group_rank = group_rank
         self._tag = tag
         self._is_done = is_done
         self._released = threading.Event()
+        self._signer = signer
         self._timeout = datetime.timedelta(seconds=settings.wait_timeout_s)
         # Before returning: a dead leader raises here.
         self._store = store.connect(address, self._timeout, settings.connect_timeout_s)
@@ -62,9 +66,16 @@ class LeaderWatch:
         self.thread.start()
 
     def _run(self) -> None:
+        key = store.Keys.released(self.group_rank)
         while True:
             try:
-                self._store.wait([store.Keys.released(self.group_rank)], self._timeout)
+                self._store.wait([key], self._timeout)
+                store.take(self._store, self._signer, key)
+            except AuthError as exc:
+                # Someone else set the key: ignore it (and say so), keep watching.
+                _log.log(logging.ERROR, self._tag(), "%s", exc)
+                self._store.delete_key(key)
+                continue
             except dist.DistStoreError as exc:
                 if "timeout" in str(exc).lower():
                     continue  # the leader is alive, only quiet for a long time
@@ -93,7 +104,7 @@ class LeaderWatch:
         """Follower leaving: end the watch before the interpreter exits."""
         self._released.set()
         try:
-            set_bytes(leader_store, store.Keys.released(self.group_rank), b"1")
+            store.put(leader_store, self._signer, store.Keys.released(self.group_rank), b"1")
         except Exception:  # noqa: BLE001, S110 - the leader is gone: the wait ended already
             pass
         self.thread.join(timeout=5.0)

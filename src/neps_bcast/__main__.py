@@ -1,0 +1,8 @@
+"""``python -m neps_bcast launch ...``: the same command as the ``neps-bcast`` script."""
+
+from __future__ import annotations
+
+from neps_bcast.launcher.cli import console_main
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,9 @@
+"""``neps-bcast launch``: K DDP groups per node, each one NePS worker, on torch's launcher.
+
+``plan.py`` decides and checks what to start (before anything starts), ``groups.py``
+runs one ``torchrun --standalone`` per group and stops them all, ``status.py`` reads each
+group's leader log for the status lines, ``rank_log.py`` runs inside every rank to give
+it a log file of its own, ``cli.py`` is the command line.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,126 @@
+"""``neps-bcast launch``: the command line (also ``python -m neps_bcast launch``).
+
+Parses the options, checks them into a plan (``plan.py``: every refusal happens here,
+before any process starts), then hands the plan to ``groups.run``. Errors print as
+``[neps_bcast launch] what happened. HINT: what to do.`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.launcher import groups, plan
+
+USAGE_EXAMPLE = "neps-bcast launch --groups 4 --nproc-per-group 2 train.py --trials 40"
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="neps-bcast",
+        description="Tools for NePS searches whose trials are DDP jobs (neps_bcast).",
+    )
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    launch = commands.add_parser(
+        "launch",
+        help="start K DDP groups of N ranks on this node, each one NePS worker",
+        description=(
+            "Start K DDP groups of N ranks on this node with torch's own launcher"
+            " (torchrun --standalone, one per group). Each group runs SCRIPT as torchrun"
+            " would and is one NePS worker; all share the root directory SCRIPT passes to"
+            f" neps_bcast.run. Example: {USAGE_EXAMPLE}"
+        ),
+    )
+    launch.add_argument(
+        "--groups", type=int, default=None, help="K, DDP groups (default: devices // N; 1 on CPU)"
+    )
+    launch.add_argument(
+        "--nproc-per-group",
+        type=int,
+        default=None,
+        help="N, ranks per group (default: devices // K; required on CPU)",
+    )
+    launch.add_argument(
+        "--devices",
+        default=None,
+        help="GPUs to split among the groups, e.g. 0,1,2,3 or 0-3 (default: every visible GPU)",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restarts of a group whose rank fails, torchrun's --max-restarts (default 0)",
+    )
+    launch.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path("logs"),
+        help="one file per rank: LOG_DIR/group<k>/rank<r>.log, and torchrun's own output in"
+        " LOG_DIR/group<k>/torchrun.log (default: ./logs)",
+    )
+    launch.add_argument(
+        "--status-interval",
+        type=float,
+        default=5.0,
+        help="seconds between status lines (default 5)",
+    )
+    launch.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=45.0,
+        help="after Ctrl-C or SIGTERM, seconds groups get to record their trials before"
+        " everything left is SIGKILLed (default 45; torchrun's own bound is 30)",
+    )
+    launch.add_argument("script", type=Path, help="the Python script every rank runs")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return top
+
+
+def request_from(args: argparse.Namespace) -> plan.LaunchRequest:
+    return plan.LaunchRequest(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        groups=args.groups,
+        nproc_per_group=args.nproc_per_group,
+        devices=plan.parse_devices(args.devices) if args.devices is not None else None,
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
+    )
+
+
+def cuda_device_count() -> int:
+    """GPUs CUDA reports (0 without any, or without a CUDA build of torch)."""
+    import torch
+
+    return int(torch.cuda.device_count())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        request = request_from(args)
+        if args.status_interval <= 0 or args.stop_timeout <= 0:
+            raise LaunchError(
+                format_message(
+                    plan.TAG,
+                    f"--status-interval {args.status_interval} / --stop-timeout"
+                    f" {args.stop_timeout}: both must be positive seconds.",
+                    "pass e.g. --status-interval 5 --stop-timeout 45.",
+                )
+            )
+        the_plan = plan.plan(request, plan.visible_devices(os.environ, cuda_device_count()))
+    except LaunchError as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
+    settings = groups.Settings(
+        status_interval_s=args.status_interval, stop_timeout_s=args.stop_timeout
+    )
+    return groups.run(the_plan, settings, sys.stdout)
+
+
+def console_main() -> None:
+    raise SystemExit(main())

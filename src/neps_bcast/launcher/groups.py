@@ -1,0 +1,294 @@
+"""Start one torchrun per group, watch them, stop them all: the launcher's only moving part.
+
+Why torchrun and not our own process manager: restarts (``--max-restarts``), rendezvous
+and forwarding signals to the workers are torch's, already correct and known to users.
+Each group is ``python -m torch.distributed.run --standalone --nproc-per-node N`` in a
+process session of its own: ``--standalone`` makes torch bind its rendezvous store to a
+port the OS picks (never a fixed one; a port in use elsewhere never matters), and the
+own session means a Ctrl-C in the terminal reaches only this launcher, which then stops
+every group the same way: SIGTERM to each torchrun (which forwards it to its workers and
+SIGKILLs them after its own 30 s), a bounded wait, then SIGKILL to whatever is left of
+the launch, found by the ``NEPS_BCAST_LAUNCH_ID`` every process of it inherits (torchrun
+starts each worker in a session of its own, so a session or process group misses them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from neps_bcast import _procfs
+from neps_bcast.launcher import status
+from neps_bcast.launcher.plan import ENV_LAUNCH_ID, TAG, GroupPlan, LaunchPlan, group_environment
+
+RANK_LOG = Path(__file__).with_name("rank_log.py")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def torchrun_command(group: GroupPlan, plan: LaunchPlan) -> list[str]:
+    """The command group ``group`` runs: torchrun, starting ``rank_log.py`` per rank,
+    which runs the script with that rank's output in its own log file."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={group.nproc}",
+        f"--max-restarts={plan.max_restarts}",
+        str(RANK_LOG),
+        str(group.index),
+        str(group.log_dir.resolve()),
+        str(plan.script),
+        *plan.script_args,
+    ]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """A launcher killed outright (SIGKILL) must not leave its groups running: each
+    torchrun gets SIGTERM when the launcher dies (Linux), and stops its workers."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Group:
+    plan: GroupPlan
+    proc: subprocess.Popen[bytes]
+    leader: status.LeaderLog = field(default_factory=status.LeaderLog)
+    follower: status.LogFollower | None = None
+    failed_at: float | None = None
+
+    @property
+    def state(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "running"
+        return "finished" if code == 0 else f"exit {code}"
+
+
+def prepare_logs(plan: LaunchPlan) -> None:
+    """Fresh log files for this launch: group folders made, earlier rank logs removed
+    (the rank wrapper appends, so a restarted group keeps its earlier attempts)."""
+    for group in plan.groups:
+        group.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in group.log_dir.glob("rank*.log"):
+            old.unlink()
+
+
+def start_group(group: GroupPlan, plan: LaunchPlan, launch_id: str) -> Group:
+    out: IO[bytes]
+    with (group.log_dir / "torchrun.log").open("wb") as out:
+        proc = subprocess.Popen(
+            torchrun_command(group, plan),
+            env=group_environment(os.environ, group, launch_id),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads exist yet
+        )
+    return Group(group, proc, follower=status.LogFollower(group.log_dir / "rank0.log"))
+
+
+class Signals:
+    """The stop signals, turned into bytes on a pipe that the main loop selects on."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        os.set_blocking(self._read, False)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        previous_child = signal.signal(signal.SIGCHLD, lambda *_: None)
+        old_fd = signal.set_wakeup_fd(self._write)
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(old_fd)
+            signal.signal(signal.SIGCHLD, previous_child)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+
+    def wait(self, seconds: float) -> None:
+        """Return after ``seconds``, or as soon as a signal (or a child's exit) arrives."""
+        ready, _, _ = select.select([self._read], [], [], max(seconds, 0.0))
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._read, 4096)
+
+
+class Display:
+    """Status lines: redrawn in place on a terminal, plain lines otherwise."""
+
+    def __init__(self, stream: IO[str], interval_s: float) -> None:
+        self.stream = stream
+        self.interval_s = interval_s
+        self.is_tty = stream.isatty()
+        self._drawn = 0
+        self._next = 0.0
+
+    def say(self, text: str) -> None:
+        self._drawn = 0  # whatever was drawn stays above this message
+        self.stream.write(f"[{TAG}] {text}\n")
+        self.stream.flush()
+
+    def show(self, lines: Sequence[str], now: float, *, force: bool = False) -> None:
+        if not force and now < self._next:
+            return
+        self._next = now + self.interval_s
+        if self.is_tty and self._drawn:
+            self.stream.write(f"\x1b[{self._drawn}F")
+        for line in lines:
+            self.stream.write(("\x1b[2K" if self.is_tty else "") + line + "\n")
+        self._drawn = len(lines) if self.is_tty else 0
+        self.stream.flush()
+
+
+def _read_logs(groups: Sequence[Group], now: float) -> None:
+    for g in groups:
+        if g.follower is not None:
+            g.leader.feed(g.follower.read_new(), now)
+
+
+def _lines(groups: Sequence[Group], now: float) -> list[str]:
+    return [
+        status.status_line(
+            g.plan.index,
+            g.state,
+            g.leader,
+            now,
+            ",".join(g.plan.devices) if g.plan.devices is not None else None,
+        )
+        for g in groups
+    ]
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in lines[-n:])
+
+
+def left_of_launch(launch_id: str) -> list[int]:
+    return _procfs.pids_with_env(ENV_LAUNCH_ID, launch_id)
+
+
+def _kill_everything(groups: Sequence[Group], launch_id: str) -> None:
+    for g in groups:
+        if g.proc.poll() is None:
+            _procfs.kill(g.proc.pid)
+    for pid in left_of_launch(launch_id):
+        _procfs.kill(pid)
+
+
+@dataclass(frozen=True)
+class Settings:
+    status_interval_s: float = 5.0
+    stop_timeout_s: float = 45.0
+    """After SIGTERM, how long groups get to record their trials and exit (torchrun
+    itself SIGKILLs its workers 30 s after forwarding SIGTERM)."""
+
+
+def run(plan: LaunchPlan, settings: Settings, out: IO[str]) -> int:
+    """Run every group to its end; the exit status of the launch.
+
+    0: every group finished; 128 + signum: stopped by that signal; otherwise the exit
+    code of the first group that failed (after its restarts)."""
+    display = Display(out, settings.status_interval_s)
+    launch_id = uuid.uuid4().hex
+    prepare_logs(plan)
+    for note in plan.notes:
+        display.say(note)
+    signals = Signals()
+    groups: list[Group] = []
+    stop_deadline: float | None = None
+    killed = False
+    with signals.installed():
+        for group in plan.groups:
+            if signals.received:
+                break
+            groups.append(start_group(group, plan, launch_id))
+            display.say(f"{group.describe()}, pid {groups[-1].proc.pid}, logs {group.log_dir}/")
+        while True:
+            now = time.monotonic()
+            if signals.received and stop_deadline is None:
+                display.say(
+                    f"{signal.Signals(signals.received[0]).name} received: stopping every"
+                    f" group (SIGTERM; SIGKILL after {settings.stop_timeout_s:.0f} s)."
+                )
+                for g in groups:
+                    if g.proc.poll() is None:
+                        _procfs.kill(g.proc.pid, signal.SIGTERM)
+                stop_deadline = now + settings.stop_timeout_s
+            if stop_deadline is not None and not killed and (
+                now >= stop_deadline or len(signals.received) > 1
+            ):
+                display.say("groups still running: SIGKILL to every process of the launch.")
+                _kill_everything(groups, launch_id)
+                killed = True
+            for g in groups:
+                code = g.proc.poll()
+                if code not in (None, 0) and g.failed_at is None:
+                    g.failed_at = now
+                    if stop_deadline is None:
+                        display.say(
+                            f"group {g.plan.index} failed (exit {code}); the other groups go"
+                            f" on. Its torchrun log ends:\n{_tail(g.plan.log_dir / 'torchrun.log', 12)}"
+                        )
+            _read_logs(groups, now)
+            running = [g for g in groups if g.proc.poll() is None]
+            display.show(_lines(groups, now), now, force=not running)
+            if not running:
+                break
+            signals.wait(min(settings.status_interval_s, 0.5))
+        left = _clean_up(launch_id, settings)
+        if left:
+            display.say(f"SIGKILLed {len(left)} process(es) of the launch left running: {left}.")
+    if signals.received:
+        return 128 + signals.received[0]
+    failed = sorted((g for g in groups if g.failed_at is not None), key=lambda g: g.failed_at or 0)
+    if failed:
+        first = failed[0]
+        display.say(
+            f"group {first.plan.index} failed first (exit {first.proc.returncode});"
+            f" see {first.plan.log_dir}/."
+        )
+        return first.proc.returncode
+    return 0
+
+
+def _clean_up(launch_id: str, settings: Settings) -> list[int]:
+    """After every torchrun exited: nothing of the launch may be left (a torchrun killed
+    outright leaves its workers). SIGTERM, a bounded wait, then SIGKILL."""
+    left = left_of_launch(launch_id)
+    if not left:
+        return []
+    for pid in left:
+        _procfs.kill(pid, signal.SIGTERM)
+    until = time.monotonic() + min(settings.stop_timeout_s, 10.0)
+    while left and time.monotonic() < until:
+        time.sleep(0.1)  # bounded: processes exiting after SIGTERM
+        left = left_of_launch(launch_id)
+    for pid in left:
+        _procfs.kill(pid)
+    return left

@@ -1,0 +1,378 @@
+"""Leases on running trials: no trial is ever stuck ``evaluating``.
+
+NePS 0.17 hands out only ``pending`` trials and keeps no heartbeat, so a trial whose
+worker died (a SIGKILLed leader, a lost node, a preempted job) stays ``evaluating`` for
+ever: it is never evaluated again and blocks a hyperband bracket. Here every leader
+records who owns the trial it evaluates, in a small JSON file in the trial's own
+directory (``<root>/configs/config_<id>/.neps_bcast_lease.json``): host, boot id, pid
+namespace, pid, the process's start time (so a reused pid is not taken for the owner)
+and a heartbeat that one thread per leader renews every ``NEPS_BCAST_HEARTBEAT_S``.
+
+Any leader can then prove an owner dead, under NePS's own trial lock (so two leaders
+never both take one trial, and NePS hands the trial to exactly one worker afterwards):
+
+- same machine (host, boot id and pid namespace): the pid is gone or belongs to a
+  process that started at another time; decided at once;
+- another machine or container: no heartbeat for ``NEPS_BCAST_LEASE_GRACE_S``;
+- no lease at all (a worker killed between NePS's "evaluating" and our first write):
+  NePS's own start time is older than the grace period.
+
+Such an orphan goes back to ``pending`` with NePS's own ``Trial.reset`` (same config,
+same pipeline directory, same previous pipeline directory; NePS picks the oldest pending
+trial first). So does a trial this leader must abandon for an infrastructure reason
+(SIGTERM, a lost follower). Every such interruption is appended to the lease's history;
+after ``NEPS_BCAST_MAX_RETRIES`` of them the trial is recorded ``crashed`` with that
+history instead. An error raised by the user's code is not an interruption: NePS
+records it ``crashed`` as always, and it is never retried.
+
+Leaders look for orphans when they start (holding the root lock, before NePS samples)
+and after each of their trials (before NePS chooses the next one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from neps_bcast import _log, _neps_compat, _procfs
+from neps_bcast.config import Settings
+from neps_bcast.errors import LaunchError, format_message
+
+LEASE_FILE = ".neps_bcast_lease.json"
+"""The lease's name inside the trial's directory (hidden: it is ours, not the user's)."""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(Path("/proc/self/ns/pid").readlink())
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """One process on one machine, for as long as that machine is up."""
+
+    host: str
+    boot_id: str
+    pid_namespace: str
+    pid: int
+    start_ticks: int
+
+    @classmethod
+    def me(cls) -> Owner:
+        pid = os.getpid()
+        return cls(
+            host=socket.gethostname(),
+            boot_id=_boot_id(),
+            pid_namespace=_pid_namespace(),
+            pid=pid,
+            start_ticks=_procfs.start_ticks(pid) or 0,
+        )
+
+    def shares_machine_with(self, other: Owner) -> bool:
+        """True when ``other``'s pid can be looked up here (same host, boot, namespace)."""
+        return bool(self.boot_id) and (self.host, self.boot_id, self.pid_namespace) == (
+            other.host,
+            other.boot_id,
+            other.pid_namespace,
+        )
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One evaluation of the trial that an infrastructure failure interrupted."""
+
+    owner: Owner
+    started: float
+    ended: float
+    how: str
+
+    def describe(self, number: int) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return (
+            f"attempt {number} ({self.owner.describe()}, started {when},"
+            f" {self.ended - self.started:.1f} s): {self.how}"
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    trial_id: str
+    owner: Owner | None
+    """None: nobody evaluates it (it was put back to pending)."""
+    started: float
+    heartbeat: float
+    attempts: tuple[Attempt, ...] = field(default=())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Lease:
+        raw: dict[str, Any] = json.loads(text)
+        owner = raw.get("owner")
+        return cls(
+            trial_id=str(raw["trial_id"]),
+            owner=Owner(**owner) if owner else None,
+            started=float(raw["started"]),
+            heartbeat=float(raw["heartbeat"]),
+            attempts=tuple(
+                Attempt(Owner(**a["owner"]), a["started"], a["ended"], a["how"])
+                for a in raw.get("attempts", ())
+            ),
+        )
+
+    def history(self) -> str:
+        return "; ".join(a.describe(n) for n, a in enumerate(self.attempts, 1))
+
+
+def read_lease(trial_dir: Path) -> Lease | None:
+    """The trial's lease, or None if it has none (or an unreadable one)."""
+    try:
+        return Lease.from_json((trial_dir / LEASE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _log.log(logging.WARNING, "neps_bcast lease", "ignoring %s: %s", trial_dir, exc)
+        return None
+
+
+def write_lease(trial_dir: Path, lease: Lease) -> None:
+    """Atomically (a reader sees the old lease or the new one, never half of one)."""
+    tmp = trial_dir / f"{LEASE_FILE}.{socket.gethostname()}.{os.getpid()}.tmp"
+    tmp.write_text(lease.to_json())
+    tmp.replace(trial_dir / LEASE_FILE)
+
+
+def why_dead(
+    lease: Lease | None, time_started: float | None, me: Owner, now: float, grace_s: float
+) -> str | None:
+    """Why the trial's owner is provably gone, or None while it may be alive."""
+    owner = lease.owner if lease is not None else None
+    if lease is None or owner is None:
+        if time_started is not None and now - time_started > grace_s:
+            return (
+                f"evaluating for {now - time_started:.0f} s without a lease (grace"
+                f" {grace_s:.0f} s): its worker died before it wrote one"
+            )
+        return None
+    if me.shares_machine_with(owner):
+        ticks = _procfs.start_ticks(owner.pid)
+        if ticks is None or not _procfs.is_alive(owner.pid):
+            return f"its leader ({owner.describe()}) is gone"
+        if ticks != owner.start_ticks:
+            return f"its leader ({owner.describe()}) is gone; that pid is another process now"
+        return None
+    age = now - lease.heartbeat
+    if age > grace_s:
+        return (
+            f"no heartbeat from its leader ({owner.describe()}) for {age:.0f} s"
+            f" (grace {grace_s:.0f} s)"
+        )
+    return None
+
+
+def retry_limit(settings: Settings) -> int:
+    raw = settings.max_retries
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise LaunchError(
+            format_message(
+                "neps_bcast settings",
+                f"NEPS_BCAST_MAX_RETRIES={raw!r} is not a whole number >= 0.",
+                "unset NEPS_BCAST_MAX_RETRIES (default 3) or set it to a count, e.g. 5"
+                " (0: never retry a trial).",
+            )
+        )
+    return limit
+
+
+class Leases:
+    """This leader's lease on the trial it evaluates, and the orphans it hands back."""
+
+    def __init__(self, root_directory: Path, settings: Settings, tag: Callable[[], str]) -> None:
+        self.root = Path(root_directory)
+        self._tag = tag
+        self.heartbeat_s = settings.heartbeat_s
+        self.grace_s = settings.lease_grace_s
+        self.max_retries = retry_limit(settings)
+        self.me = Owner.me()
+        self._held: tuple[Path, Lease] | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def log(self, level: int, message: str, *args: object) -> None:
+        _log.log(level, self._tag(), message, *args)
+
+    # -- this leader's own trial ------------------------------------------------
+    def take(self, trial_id: str, trial_dir: Path) -> None:
+        """This leader evaluates ``trial_id`` now: record it and keep it renewed."""
+        now = time.time()
+        previous = read_lease(trial_dir)
+        lease = Lease(
+            trial_id, self.me, now, now, previous.attempts if previous is not None else ()
+        )
+        write_lease(trial_dir, lease)
+        with self._lock:
+            self._held = (trial_dir, lease)
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._renew, name="neps_bcast-heartbeat", daemon=True
+            )
+            self._thread.start()
+
+    def drop(self) -> None:
+        """The trial ended (NePS records it): stop renewing its lease."""
+        with self._lock:
+            self._held = None
+
+    def close(self) -> None:
+        self._closed = True
+        self.drop()
+        self._wake.set()
+
+    def _renew(self) -> None:
+        while not self._wake.wait(self.heartbeat_s):
+            with self._lock:
+                held = self._held
+                if held is None:
+                    continue
+                trial_dir, lease = held
+                try:
+                    on_disk = read_lease(trial_dir)
+                    if on_disk is None or on_disk.owner != self.me:
+                        self.log(
+                            logging.ERROR,
+                            "trial %s was taken over by another leader (%s); no longer"
+                            " renewing its lease",
+                            lease.trial_id,
+                            on_disk.owner.describe() if on_disk and on_disk.owner else "nobody",
+                        )
+                        self._held = None
+                        continue
+                    renewed = replace(lease, heartbeat=time.time())
+                    write_lease(trial_dir, renewed)
+                    self._held = (trial_dir, renewed)
+                except OSError as exc:
+                    self.log(logging.WARNING, "could not renew the lease of %s: %s", trial_dir, exc)
+
+    def give_back(self, trial_id: str, trial_dir: Path, how: str) -> str:
+        """This leader abandons its trial for an infrastructure reason (``how``): back to
+        pending, or crashed once it was interrupted more than the retry limit. Returns
+        what became of it."""
+        self.drop()
+        with _neps_compat.locked_trials(self.root) as book:
+            if book is None or book.state_of(trial_id) != "evaluating":
+                return "left as NePS has it"
+            lease = read_lease(trial_dir) or Lease(trial_id, self.me, time.time(), time.time())
+            if lease.owner not in (None, self.me):
+                return f"left to {lease.owner.describe()}, which took it over"
+            attempt = Attempt(self.me, lease.started, time.time(), how)
+            return self._hand_back(book, trial_id, trial_dir, lease, attempt)
+
+    # -- orphans ---------------------------------------------------------------
+    def recover_orphans(self) -> list[str]:
+        """Put back every trial whose owner is provably gone; what was done, per trial."""
+        done = []
+        with _neps_compat.locked_trials(self.root) as book:
+            if book is None:
+                return []
+            now = time.time()
+            for trial in book.evaluating():
+                lease = read_lease(trial.location)
+                reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s)
+                if reason is None:
+                    if lease is not None and lease.owner is not None:
+                        age = now - lease.heartbeat
+                        if age > 2 * self.heartbeat_s and not self.me.shares_machine_with(
+                            lease.owner
+                        ):
+                            self.log(
+                                logging.INFO,
+                                "trial %s: no heartbeat from %s for %.0f s; taken over"
+                                " after %.0f s",
+                                trial.trial_id,
+                                lease.owner.describe(),
+                                age,
+                                self.grace_s,
+                            )
+                    continue
+                if lease is None or lease.owner is None:
+                    started = trial.time_started or now
+                    lease = Lease(
+                        trial.trial_id,
+                        None,
+                        started,
+                        started,
+                        lease.attempts if lease is not None else (),
+                    )
+                owner = lease.owner or Owner("unknown", "", "", 0, 0)
+                attempt = Attempt(owner, lease.started, lease.heartbeat, reason)
+                outcome = self._hand_back(book, trial.trial_id, trial.location, lease, attempt)
+                self.log(
+                    logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome
+                )
+                done.append(f"{trial.trial_id}: {outcome}")
+        return done
+
+    def _hand_back(
+        self,
+        book: _neps_compat.TrialBook,
+        trial_id: str,
+        trial_dir: Path,
+        lease: Lease,
+        attempt: Attempt,
+    ) -> str:
+        """Under NePS's lock: record ``attempt``; pending, or crashed past the limit."""
+        now = time.time()
+        released = Lease(trial_id, None, lease.started, now, (*lease.attempts, attempt))
+        write_lease(trial_dir, released)
+        count = len(released.attempts)
+        if count > self.max_retries:
+            error = RuntimeError(
+                f"neps_bcast: trial {trial_id} was interrupted {count} times by"
+                f" infrastructure failures (NEPS_BCAST_MAX_RETRIES={self.max_retries}):"
+                f" {released.history()}"
+            )
+            book.set_crashed(trial_id, error)
+            return f"recorded crashed after {count} interruptions"
+        book.set_pending(trial_id)
+        return f"back to pending (interruption {count} of at most {self.max_retries} retried)"
+
+
+@contextlib.contextmanager
+def leased(leases: Leases | None, trial_id: str, trial_dir: Path | None) -> Iterator[None]:
+    """Hold the lease on one trial while the block runs (nothing if there is no lease)."""
+    if leases is None or trial_dir is None:
+        yield
+        return
+    leases.take(trial_id, trial_dir)
+    try:
+        yield
+    finally:
+        leases.drop()
