@@ -1,13 +1,18 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
 # The virtual environment is built from requirements.lock (every package pinned,
 # installed without resolution so nothing can drift; torch is the 2.13.0 CPU wheel).
+# `make test-newest` runs the same suite in a second environment, .venv-newest: the same pins with
+# torch 2.14.1 + torchvision 0.29.1 (requirements-newest.lock replaces requirements.lock's torch line).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
 XDIST ?= 2
+VENV_NEWEST := .venv-newest
+PY_NEWEST := $(VENV_NEWEST)/bin/python
+STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test lint bench bench-full clean
+.PHONY: install demo test lint bench bench-full clean install-newest test-newest
 
 install: $(STAMP)
 
@@ -30,6 +35,21 @@ lint: install
 	$(PY) -m ruff format --check src tests examples benchmarks
 	$(PY) -m mypy
 
+# The newest stack: requirements.lock without its torch line, plus requirements-newest.lock.
+install-newest: $(STAMP_NEWEST)
+
+$(STAMP_NEWEST): requirements.lock requirements-newest.lock pyproject.toml
+	test -x $(PY_NEWEST) || $(PYTHON) -m venv $(VENV_NEWEST)
+	grep -v '^torch==' requirements.lock > $(VENV_NEWEST)/requirements-base.txt
+	$(PY_NEWEST) -m pip install --quiet --disable-pip-version-check --no-deps -r $(VENV_NEWEST)/requirements-base.txt -r requirements-newest.lock
+	$(PY_NEWEST) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY_NEWEST) -m pip check --disable-pip-version-check
+	rm -f $(VENV_NEWEST)/.installed-*
+	touch $(STAMP_NEWEST)
+
+test-newest: install-newest
+	OMP_NUM_THREADS=1 $(PY_NEWEST) -m pytest -n $(XDIST) -p no:cacheprovider
+
 bench: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --quick
 
@@ -37,4 +57,4 @@ bench-full: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --full
 
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(VENV_NEWEST) results
