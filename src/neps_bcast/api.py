@@ -101,9 +101,7 @@ def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict
 
     wrapped = leader.wrap(rt, first_trial_releases, root, leases)
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
-        _lightning_compat.before_observer_kills(
-            lambda: leader.let_leader_record(rt, root, leases)
-        )
+        _lightning_compat.before_observer_kills(lambda: leader.let_leader_record(rt, root, leases))
     try:
         with sigterm_raises():
             guard.acquire()

@@ -1,0 +1,240 @@
+"""Trial leases (issue 11) on real NePS roots and real processes, one process per worker.
+
+``tests/scripts/recovery_single.py`` is one NePS worker through ``neps_bcast.run`` with
+no DDP (a trivial function, so each launch costs only its imports); a fault fires in
+the trial the environment names. The DDP launches are in ``test_e2e_recovery.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import base_env, neps_trials
+from neps_bcast import _procfs
+from neps_bcast.config import Settings
+from neps_bcast.errors import LaunchError
+from neps_bcast.lease import LEASE_FILE, Lease, Leases, Owner, read_lease, retry_limit, why_dead
+
+SCRIPT = Path(__file__).parent / "scripts" / "recovery_single.py"
+PYTHON = sys.executable
+GRACE = 60.0
+
+
+def worker(
+    tmp_path: Path, *, trials: int, fault: str = "", at: str = "", **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run one worker to its end (bounded); its output is returned for the asserts."""
+    full = base_env(
+        NB_ROOT=str(tmp_path / "root"),
+        NB_TRIALS=str(trials),
+        NB_FAULT=fault,
+        NB_FAULT_AT=at,
+        NB_LOG=str(tmp_path / "evaluations.jsonl"),
+        **env,
+    )
+    return subprocess.run(
+        [PYTHON, str(SCRIPT)], env=full, capture_output=True, text=True, timeout=180, check=False
+    )
+
+
+def evaluations(tmp_path: Path) -> list[dict[str, Any]]:
+    lines = (tmp_path / "evaluations.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def states(tmp_path: Path) -> dict[str, str]:
+    return {tid: str(t.metadata.state.value) for tid, t in neps_trials(tmp_path / "root").items()}
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([PYTHON, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+# -- who is alive (pure decisions, real processes) ------------------------------------
+def test_an_owner_on_this_machine_is_dead_once_its_pid_is_gone_or_reused() -> None:
+    me = Owner.me()
+    now = time.time()
+    mine = Lease("1", me, now - 1000, now - 1000)  # a stale heartbeat does not matter here
+    assert why_dead(mine, now - 1000, me, now, GRACE) is None
+
+    gone = Lease("1", Owner(**{**vars(me), "pid": dead_pid()}), now, now)
+    assert why_dead(gone, now, me, now, GRACE) == f"its leader ({gone.owner.describe()}) is gone"  # type: ignore[union-attr]
+
+    reused = Lease("1", Owner(**{**vars(me), "start_ticks": me.start_ticks - 1}), now, now)
+    reason = why_dead(reused, now, me, now, GRACE)
+    assert reason is not None
+    assert reason.endswith("that pid is another process now")
+
+
+def test_an_owner_elsewhere_is_dead_only_after_the_grace_period() -> None:
+    me = Owner.me()
+    elsewhere = Owner(**{**vars(me), "pid_namespace": "pid:[1]"})  # another container
+    assert not me.shares_machine_with(elsewhere)
+    now = time.time()
+    fresh = Lease("1", elsewhere, now - 500, now - GRACE + 1)
+    assert why_dead(fresh, now - 500, me, now, GRACE) is None
+    stale = Lease("1", elsewhere, now - 500, now - GRACE - 1)
+    assert why_dead(stale, now - 500, me, now, GRACE) == (
+        f"no heartbeat from its leader (pid {me.pid} on {me.host}) for 61 s (grace 60 s)"
+    )
+
+
+def test_a_trial_without_a_lease_is_dead_once_neps_started_it_a_grace_period_ago() -> None:
+    me, now = Owner.me(), time.time()
+    assert why_dead(None, now - GRACE + 1, me, now, GRACE) is None
+    reason = why_dead(None, now - GRACE - 1, me, now, GRACE)
+    assert reason is not None
+    assert reason.startswith("evaluating for 61 s without a lease (grace 60 s)")
+
+
+@pytest.mark.parametrize("raw", ["-1", "three", "1.5"])
+def test_a_bad_retry_limit_names_the_variable(raw: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        retry_limit(Settings.from_env({"NEPS_BCAST_MAX_RETRIES": raw}))
+    assert f"NEPS_BCAST_MAX_RETRIES={raw!r} is not a whole number >= 0." in str(info.value)
+    assert retry_limit(Settings.from_env({"NEPS_BCAST_MAX_RETRIES": "0"})) == 0
+    assert retry_limit(Settings()) == 3
+
+
+def test_the_heartbeat_renews_the_lease_until_the_trial_ends(tmp_path: Path) -> None:
+    leases = Leases(tmp_path, Settings(heartbeat_s=0.05), lambda: "test")
+    try:
+        leases.take("7", tmp_path)
+        first = read_lease(tmp_path)
+        assert first is not None
+        assert first.owner == Owner.me()
+        deadline = time.monotonic() + 30
+        renewed = first
+        while renewed.heartbeat == first.heartbeat and time.monotonic() < deadline:
+            time.sleep(0.02)  # bounded poll of the file the heartbeat thread writes
+            renewed = read_lease(tmp_path) or first
+        assert renewed.heartbeat > first.heartbeat
+        assert renewed.started == first.started
+        leases.drop()
+        time.sleep(0.2)  # four heartbeat intervals: none may write after drop()
+        stopped = read_lease(tmp_path)
+        time.sleep(0.2)
+        assert read_lease(tmp_path) == stopped
+    finally:
+        leases.close()
+    assert not list(tmp_path.glob(f"{LEASE_FILE}.*.tmp"))
+
+
+# -- real NePS roots, real workers -----------------------------------------------------
+def test_a_killed_worker_s_trial_is_evaluated_again_by_the_next_run(tmp_path: Path) -> None:
+    first = worker(tmp_path, trials=4, fault="kill", at="2")
+    assert first.returncode == -signal.SIGKILL, first.stdout[-3000:]
+    assert states(tmp_path) == {"1": "success", "2": "evaluating"}
+    lease = read_lease(tmp_path / "root" / "configs" / "config_2")
+    assert lease is not None
+    assert lease.owner is not None
+    killed_pid = lease.owner.pid
+
+    again = worker(tmp_path, trials=4)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "orphaned trial 2 (its leader (pid" in again.stdout
+    assert states(tmp_path) == dict.fromkeys(("1", "2", "3", "4"), "success")
+    evaluated = evaluations(tmp_path)
+    twice = [e for e in evaluated if e["trial_id"] == "2"]
+    assert len(twice) == 2
+    assert twice[0]["pid"] == killed_pid != twice[1]["pid"]
+    for key in ("lr", "hidden", "pipeline_directory"):
+        assert twice[0][key] == twice[1][key]
+    # The orphan was taken before NePS sampled anything new.
+    second_run = [e["trial_id"] for e in evaluated if e["pid"] == twice[1]["pid"]]
+    assert second_run == ["2", "3", "4"]
+    history = read_lease(tmp_path / "root" / "configs" / "config_2")
+    assert history is not None
+    assert [a.owner.pid for a in history.attempts] == [killed_pid]
+
+
+def test_sigterm_puts_the_trial_back_and_the_rerun_needs_no_ignore_errors(tmp_path: Path) -> None:
+    first = worker(tmp_path, trials=3, fault="term", at="2")
+    assert first.returncode == 128 + signal.SIGTERM, first.stdout[-3000:]
+    assert "exit code 143 asks to requeue" in first.stdout
+    assert states(tmp_path) == {"1": "success", "2": "pending"}
+    again = worker(tmp_path, trials=3)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert states(tmp_path) == dict.fromkeys(("1", "2", "3"), "success")
+
+
+def test_past_the_retry_limit_the_trial_is_crashed_with_its_history(tmp_path: Path) -> None:
+    limit = {"NEPS_BCAST_MAX_RETRIES": "1"}
+    pids = []
+    for _ in range(2):  # killed in trial 2, then killed again in its retry
+        run = worker(tmp_path, trials=3, fault="kill", at="2", **limit)
+        assert run.returncode == -signal.SIGKILL, run.stdout[-3000:]
+        pids.append(evaluations(tmp_path)[-1]["pid"])
+    last = worker(tmp_path, trials=3, **limit)
+    assert "orphaned trial 2" in last.stdout
+    assert "recorded crashed after 2 interruptions" in last.stdout
+    trials = neps_trials(tmp_path / "root")
+    assert trials["2"].metadata.state.value == "crashed"
+    text = str(trials["2"].report.err)
+    assert text.startswith(
+        "neps_bcast: trial 2 was interrupted 2 times by infrastructure failures"
+        " (NEPS_BCAST_MAX_RETRIES=1): attempt 1 (pid "
+    )
+    for n, pid in enumerate(pids, 1):
+        assert f"attempt {n} (pid {pid} on " in text
+    assert text.count("is gone") == 2
+    # NePS's own rule for a root holding a crashed trial (its default ignore_errors=False).
+    assert last.returncode == 1
+    assert [e["trial_id"] for e in evaluations(tmp_path)].count("2") == 2
+
+
+def test_a_user_exception_is_crashed_and_never_retried(tmp_path: Path) -> None:
+    first = worker(tmp_path, trials=3, fault="raise", at="2")
+    assert first.returncode == 1
+    assert states(tmp_path) == {"1": "success", "2": "crashed"}
+    again = worker(tmp_path, trials=3)
+    assert "orphaned" not in again.stdout
+    assert states(tmp_path)["2"] == "crashed"
+    assert [e["trial_id"] for e in evaluations(tmp_path)].count("2") == 1
+    lease = read_lease(tmp_path / "root" / "configs" / "config_2")
+    assert lease is not None
+    assert lease.attempts == ()
+
+
+RECOVER = """
+import json, sys
+from pathlib import Path
+from neps_bcast.config import Settings
+from neps_bcast.lease import Leases
+done = Leases(Path(sys.argv[1]), Settings(), lambda: "recoverer").recover_orphans()
+print(json.dumps(done))
+"""
+
+
+def test_two_leaders_never_both_take_one_orphan(tmp_path: Path) -> None:
+    first = worker(tmp_path, trials=3, fault="kill", at="2")
+    assert first.returncode == -signal.SIGKILL
+    env = base_env()
+    procs = [
+        subprocess.Popen(
+            [PYTHON, "-c", RECOVER, str(tmp_path / "root")],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    taken = [o for o in outputs if o]
+    assert len(taken) == 1, outputs
+    assert taken[0] == ["2: back to pending (interruption 1 of at most 3 retried)"]
+    lease = read_lease(tmp_path / "root" / "configs" / "config_2")
+    assert lease is not None
+    assert len(lease.attempts) == 1
+    assert states(tmp_path)["2"] == "pending"
+    assert not [p for p in procs if _procfs.is_alive(p.pid)]
