@@ -182,3 +182,61 @@ def test_pipeline_space_wrapper_keeps_the_signature_visible() -> None:
     assert getattr(wrapped, "__wrapped__", None) is evaluate
     assert inspect.signature(wrapped) == inspect.signature(evaluate)
     assert "pipeline_directory" in inspect.signature(wrapped).parameters
+
+
+def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) -> None:
+    """``_neps_compat.locked_trials``: NePS's trial lock and ``latest()`` trials; a trial
+    set back to pending with ``Trial.reset`` keeps its id, config, location, previous
+    location and sampling time (NePS hands out the oldest pending trial first); a trial
+    set crashed is reported as NePS reports a raising evaluation; NePS's own locking
+    function is the one neps.run installs (lockf unless NEPS_LINUX_FILELOCK_FUNCTION)."""
+    import fcntl
+
+    import portalocker.portalocker as portalocker_lock_module
+    from neps.env import LINUX_FILELOCK_FUNCTION
+    from neps.state.trial import State
+
+    root = tmp_path / "root"
+    neps.run(
+        lambda lr, hidden: lr,
+        Space(),
+        root_directory=root,
+        total_evaluations_to_spend=2,
+        optimizer="random_search",
+    )
+    state = NePSState.create_or_load(path=root, load_only=True)
+    for trial in state._trial_repo.latest().values():  # as a dead worker leaves them
+        trial.set_evaluating(time_started=123.0, worker_id="gone")
+        state._trial_repo.update_trial(trial, hints="metadata")
+    before = recorded(root)
+
+    with _neps_compat.locked_trials(root) as book:
+        assert book is not None
+        assert LINUX_FILELOCK_FUNCTION == "lockf"
+        assert portalocker_lock_module.LOCKER is fcntl.lockf
+        evaluating = sorted(book.evaluating(), key=lambda t: t.trial_id)
+        assert [t.trial_id for t in evaluating] == ["1", "2"]
+        assert evaluating[0].location == Path(before["1"].metadata.location)
+        assert evaluating[0].time_started == 123.0
+        assert evaluating[0].worker_id == "gone"
+        book.set_pending("1")
+        book.set_crashed("2", RuntimeError("interrupted 4 times"))
+        assert book.state_of("1") == "pending"
+    with _neps_compat.locked_trials(tmp_path / "nothing") as none:
+        assert none is None
+
+    after = recorded(root)
+    pending, crashed = after["1"], after["2"]
+    assert pending.metadata.state == State.PENDING
+    assert pending.report is None
+    for name in ("id", "location", "previous_trial_location", "time_sampled"):
+        assert getattr(pending.metadata, name) == getattr(before["1"].metadata, name)
+    assert pending.config == before["1"].config
+    assert crashed.metadata.state == State.CRASHED
+    assert crashed.report is not None
+    assert crashed.report.reported_as == "crashed"
+    assert str(crashed.report.err) == "interrupted 4 times"
+    assert (
+        NePSState.create_or_load(path=root, load_only=True).lock_and_get_next_pending_trial().id
+        == "1"
+    )
