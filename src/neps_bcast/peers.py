@@ -91,6 +91,23 @@ class Peers:
                             self._known[r] = peer
         return [p for r, p in sorted(self._known.items()) if r != self.group_rank]
 
+    def lightning_relatives(self, launch_kind: str) -> list[Peer]:
+        """Where a peer's record is missing: under Lightning's own launcher the group is
+        this process's parent (a child's leader) or its child processes (the leader's)."""
+        here = socket.gethostname()
+        if launch_kind == "lightning_child":
+            stat = _procfs.read_stat(os.getpid())
+            return [Peer(0, here, stat.ppid)] if stat is not None else []
+        if launch_kind == "single":
+            me = os.getpid()
+            children = [
+                pid
+                for pid in _procfs.all_pids()
+                if (st := _procfs.read_stat(pid)) is not None and st.ppid == me
+            ]
+            return [Peer(-1, here, pid) for pid in children]
+        return []
+
     def describe_lost(self, store: Store | None, world_size: int | None) -> str:
         """Which peers are gone, and how (exit code or signal), where this host can tell."""
         lost = []

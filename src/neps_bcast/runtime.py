@@ -105,6 +105,8 @@ class Runtime:
 
         def connections() -> set[int]:
             others = self.link.peers.others(self.link.store, self.world_size)
+            if len(others) < (self.world_size or 1) - 1:
+                others += self.link.peers.lightning_relatives(self.launch.kind)
             return group_connections(others, self.link.own, store_port)
 
         self.group.release(connections, exc)
@@ -123,6 +125,9 @@ class Runtime:
             return False
         self.link.join(self.world_size or 0, self.lost)
         self._forget_children_env()  # the children have joined: nothing left to inherit
+        # Every rank published itself before joining: read (and check) them all now, so a
+        # later overwrite of those keys by an outsider cannot hide a peer.
+        self.link.peers.others(self.link.store, self.world_size)
         return True
 
     def prepare_children(self) -> None:

@@ -136,25 +136,35 @@ class Signals:
 
 
 class Display:
-    """Status lines: redrawn in place on a terminal, plain lines otherwise."""
+    """Status lines: redrawn in place every ``interval_s`` on a terminal; otherwise (a
+    file, a pipe) plain lines, written when a group's state or counts change, and at
+    least every ``quiet_s``, so a log does not fill with identical lines."""
 
-    def __init__(self, stream: IO[str], interval_s: float) -> None:
+    def __init__(self, stream: IO[str], interval_s: float, quiet_s: float = 60.0) -> None:
         self.stream = stream
         self.interval_s = interval_s
+        self.quiet_s = quiet_s
         self.is_tty = stream.isatty()
         self._drawn = 0
         self._next = 0.0
+        self._last_key: object = None
+        self._last_plain = 0.0
 
     def say(self, text: str) -> None:
         self._drawn = 0  # whatever was drawn stays above this message
         self.stream.write(f"[{TAG}] {text}\n")
         self.stream.flush()
 
-    def show(self, lines: Sequence[str], now: float, *, force: bool = False) -> None:
+    def show(self, lines: Sequence[str], key: object, now: float, *, force: bool = False) -> None:
+        """``key``: what the lines say apart from the clock (plain lines on change)."""
         if not force and now < self._next:
             return
         self._next = now + self.interval_s
-        if self.is_tty and self._drawn:
+        if not self.is_tty:
+            if not force and key == self._last_key and now - self._last_plain < self.quiet_s:
+                return
+            self._last_key, self._last_plain = key, now
+        elif self._drawn:
             self.stream.write(f"\x1b[{self._drawn}F")
         for line in lines:
             self.stream.write(("\x1b[2K" if self.is_tty else "") + line + "\n")
@@ -177,6 +187,13 @@ def _lines(groups: Sequence[Group], now: float) -> list[str]:
             now,
             ",".join(g.plan.devices) if g.plan.devices is not None else None,
         )
+        for g in groups
+    ]
+
+
+def _key(groups: Sequence[Group]) -> object:
+    return [
+        (g.state, g.leader.attempt, g.leader.trial, g.leader.finished, g.leader.failed)
         for g in groups
     ]
 
@@ -209,72 +226,96 @@ class Settings:
     itself SIGKILLs its workers 30 s after forwarding SIGTERM)."""
 
 
+class Launcher:
+    """One launch: its groups, the signals it received, and how it stops."""
+
+    def __init__(self, plan: LaunchPlan, settings: Settings, out: IO[str]) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.display = Display(out, settings.status_interval_s)
+        self.launch_id = uuid.uuid4().hex
+        self.signals = Signals()
+        self.groups: list[Group] = []
+        self.stop_deadline: float | None = None
+        self.killed = False
+
+    def run(self) -> int:
+        prepare_logs(self.plan)
+        for note in self.plan.notes:
+            self.display.say(note)
+        with self.signals.installed():
+            for group in self.plan.groups:
+                if self.signals.received:
+                    break
+                self.groups.append(start_group(group, self.plan, self.launch_id))
+                self.display.say(
+                    f"{group.describe()}, pid {self.groups[-1].proc.pid}, logs {group.log_dir}/"
+                )
+            while self._step(time.monotonic()):
+                self.signals.wait(min(self.settings.status_interval_s, 0.5))
+            left = _clean_up(self.launch_id, self.settings)
+            if left:
+                self.display.say(f"SIGKILLed {len(left)} process(es) left running: {left}.")
+        return self._exit_status()
+
+    def _step(self, now: float) -> bool:
+        """One look at everything; False once no group is running."""
+        if self.signals.received and self.stop_deadline is None:
+            self._stop(now)
+        if (
+            self.stop_deadline is not None
+            and not self.killed
+            and (now >= self.stop_deadline or len(self.signals.received) > 1)
+        ):
+            self.display.say("groups still running: SIGKILL to every process of the launch.")
+            _kill_everything(self.groups, self.launch_id)
+            self.killed = True
+        for g in self.groups:
+            code = g.proc.poll()
+            if code not in (None, 0) and g.failed_at is None:
+                g.failed_at = now
+                if self.stop_deadline is None:
+                    log = g.plan.log_dir / "torchrun.log"
+                    self.display.say(
+                        f"group {g.plan.index} failed (exit {code}); the other groups go on."
+                        f" The end of {log}:\n{_tail(log, 12)}"
+                    )
+        _read_logs(self.groups, now)
+        running = any(g.proc.poll() is None for g in self.groups)
+        self.display.show(_lines(self.groups, now), _key(self.groups), now, force=not running)
+        return running
+
+    def _stop(self, now: float) -> None:
+        name = signal.Signals(self.signals.received[0]).name
+        self.display.say(
+            f"{name} received: stopping every group (SIGTERM; SIGKILL after"
+            f" {self.settings.stop_timeout_s:.0f} s; again to kill at once)."
+        )
+        for g in self.groups:
+            if g.proc.poll() is None:
+                _procfs.kill(g.proc.pid, signal.SIGTERM)
+        self.stop_deadline = now + self.settings.stop_timeout_s
+
+    def _exit_status(self) -> int:
+        if self.signals.received:
+            return 128 + self.signals.received[0]
+        failed = [g for g in self.groups if g.failed_at is not None]
+        if not failed:
+            return 0
+        first = min(failed, key=lambda g: g.failed_at or 0.0)
+        self.display.say(
+            f"group {first.plan.index} failed first (exit {first.proc.returncode});"
+            f" see {first.plan.log_dir}/."
+        )
+        return first.proc.returncode
+
+
 def run(plan: LaunchPlan, settings: Settings, out: IO[str]) -> int:
     """Run every group to its end; the exit status of the launch.
 
     0: every group finished; 128 + signum: stopped by that signal; otherwise the exit
     code of the first group that failed (after its restarts)."""
-    display = Display(out, settings.status_interval_s)
-    launch_id = uuid.uuid4().hex
-    prepare_logs(plan)
-    for note in plan.notes:
-        display.say(note)
-    signals = Signals()
-    groups: list[Group] = []
-    stop_deadline: float | None = None
-    killed = False
-    with signals.installed():
-        for group in plan.groups:
-            if signals.received:
-                break
-            groups.append(start_group(group, plan, launch_id))
-            display.say(f"{group.describe()}, pid {groups[-1].proc.pid}, logs {group.log_dir}/")
-        while True:
-            now = time.monotonic()
-            if signals.received and stop_deadline is None:
-                display.say(
-                    f"{signal.Signals(signals.received[0]).name} received: stopping every"
-                    f" group (SIGTERM; SIGKILL after {settings.stop_timeout_s:.0f} s)."
-                )
-                for g in groups:
-                    if g.proc.poll() is None:
-                        _procfs.kill(g.proc.pid, signal.SIGTERM)
-                stop_deadline = now + settings.stop_timeout_s
-            if stop_deadline is not None and not killed and (
-                now >= stop_deadline or len(signals.received) > 1
-            ):
-                display.say("groups still running: SIGKILL to every process of the launch.")
-                _kill_everything(groups, launch_id)
-                killed = True
-            for g in groups:
-                code = g.proc.poll()
-                if code not in (None, 0) and g.failed_at is None:
-                    g.failed_at = now
-                    if stop_deadline is None:
-                        display.say(
-                            f"group {g.plan.index} failed (exit {code}); the other groups go"
-                            f" on. Its torchrun log ends:\n{_tail(g.plan.log_dir / 'torchrun.log', 12)}"
-                        )
-            _read_logs(groups, now)
-            running = [g for g in groups if g.proc.poll() is None]
-            display.show(_lines(groups, now), now, force=not running)
-            if not running:
-                break
-            signals.wait(min(settings.status_interval_s, 0.5))
-        left = _clean_up(launch_id, settings)
-        if left:
-            display.say(f"SIGKILLed {len(left)} process(es) of the launch left running: {left}.")
-    if signals.received:
-        return 128 + signals.received[0]
-    failed = sorted((g for g in groups if g.failed_at is not None), key=lambda g: g.failed_at or 0)
-    if failed:
-        first = failed[0]
-        display.say(
-            f"group {first.plan.index} failed first (exit {first.proc.returncode});"
-            f" see {first.plan.log_dir}/."
-        )
-        return first.proc.returncode
-    return 0
+    return Launcher(plan, settings, out).run()
 
 
 def _clean_up(launch_id: str, settings: Settings) -> list[int]:

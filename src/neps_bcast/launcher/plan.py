@@ -174,24 +174,54 @@ def _counts(
             "pass --nproc-per-group N (GPUs per trial); --groups then defaults to"
             f" {n_devices} // N.",
         )
-    if nproc is None:
-        assert groups is not None
+    if nproc is None and groups is not None:
         nproc = n_devices // groups
         if nproc < 1:
             raise _fail(
                 f"--groups {groups} is more than the {n_devices} devices ({devices_text}).",
                 f"pass --groups {n_devices} or fewer, or list more devices with --devices.",
             )
-    if groups is None:
+    if groups is None and nproc is not None:
         groups = n_devices // nproc
         if groups < 1:
             raise _fail(
-                f"--nproc-per-group {nproc} is more than the {n_devices} devices"
-                f" ({devices_text}).",
+                f"--nproc-per-group {nproc} is more than the {n_devices} devices ({devices_text}).",
                 f"pass --nproc-per-group {n_devices} or fewer, or list more devices with"
                 " --devices.",
             )
+    if groups is None or nproc is None:  # pragma: no cover - every case is handled above
+        raise _fail("internal: no group size was decided.", "report this as a bug.")
     return groups, nproc
+
+
+def _check_script(script: Path) -> None:
+    if script.is_file():
+        return
+    where = "" if script.is_absolute() else f" (relative to {Path.cwd()})"
+    what = "is a directory, not a script" if script.is_dir() else "does not exist"
+    raise _fail(
+        f"the script {str(script)!r} {what}{where}.",
+        "pass the path of the Python script every rank runs, e.g."
+        " neps-bcast launch --groups 2 --nproc-per-group 2 examples/groups.py.",
+    )
+
+
+def _chosen_devices(
+    requested: tuple[str, ...] | None, visible: Sequence[str]
+) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """The ``CUDA_VISIBLE_DEVICES`` entries to split among the groups (None: CPU, no
+    devices to split), and notes for the user."""
+    if requested is None:
+        return (tuple(visible) if visible else None), ()
+    _check_no_duplicates(requested, "--devices")
+    if not visible:
+        return requested, (
+            "no GPU is visible: the ranks run on CPU (gloo); --devices only sets each"
+            " group's CUDA_VISIBLE_DEVICES.",
+        )
+    resolved = _resolve(requested, visible)
+    _check_no_duplicates(resolved, f"--devices (as CUDA_VISIBLE_DEVICES={','.join(visible)})")
+    return resolved, ()
 
 
 def plan(request: LaunchRequest, visible: Sequence[str]) -> LaunchPlan:
@@ -206,32 +236,8 @@ def plan(request: LaunchRequest, visible: Sequence[str]) -> LaunchPlan:
             f"--max-restarts {request.max_restarts} is negative.",
             "pass --max-restarts 0 (never restart a group) or more.",
         )
-    script = request.script
-    if not script.is_file():
-        where = f" (from {Path.cwd()})" if not script.is_absolute() else ""
-        raise _fail(
-            f"the script {str(script)!r} does not exist{where}"
-            + (", it is a directory" if script.is_dir() else "")
-            + ".",
-            "pass the path of the Python script every rank runs, e.g."
-            " neps-bcast launch --groups 2 --nproc-per-group 2 examples/groups.py.",
-        )
-
-    notes: list[str] = []
-    if request.devices is not None:
-        _check_no_duplicates(request.devices, "--devices")
-        if visible:
-            devices: tuple[str, ...] | None = _resolve(request.devices, visible)
-            _check_no_duplicates(devices, f"--devices (as CUDA_VISIBLE_DEVICES={','.join(visible)})")
-        else:
-            devices = request.devices
-            notes.append(
-                "no GPU is visible: the ranks run on CPU (gloo); --devices only sets each"
-                " group's CUDA_VISIBLE_DEVICES."
-            )
-    else:
-        devices = tuple(visible) if visible else None
-
+    _check_script(request.script)
+    devices, notes = _chosen_devices(request.devices, visible)
     n_devices = len(devices) if devices is not None else 0
     groups, nproc = _counts(
         request.groups, request.nproc_per_group, n_devices, ",".join(devices or ())
@@ -254,22 +260,19 @@ def plan(request: LaunchRequest, visible: Sequence[str]) -> LaunchPlan:
         for k in range(groups)
     )
     unused = devices[groups * nproc :] if devices is not None else ()
-    if unused:
-        notes.append(f"devices {','.join(unused)} stay unused.")
+    extra_notes = (f"devices {','.join(unused)} stay unused.",) if unused else ()
     return LaunchPlan(
         groups=plans,
-        script=script,
+        script=request.script,
         script_args=request.script_args,
         max_restarts=request.max_restarts,
         log_dir=request.log_dir,
         unused_devices=unused,
-        notes=tuple(notes),
+        notes=(*notes, *extra_notes),
     )
 
 
-def group_environment(
-    base: Mapping[str, str], group: GroupPlan, launch_id: str
-) -> dict[str, str]:
+def group_environment(base: Mapping[str, str], group: GroupPlan, launch_id: str) -> dict[str, str]:
     """The environment group ``group`` starts torchrun with."""
     env = {k: v for k, v in base.items() if k not in SLURM_TASK_VARIABLES}
     env[ENV_LAUNCH_ID] = launch_id

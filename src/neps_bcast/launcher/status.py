@@ -11,7 +11,6 @@ writes one header line per attempt. Reading appended bytes every few seconds is 
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +81,3 @@ def status_line(
         f"group {index}{where}: {state:<9} restarts {log.attempt}  {trial:<22}"
         f" finished {log.finished}  failed {log.failed}"
     )
-
-
-def clock() -> float:
-    return time.monotonic()
