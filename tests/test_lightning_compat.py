@@ -67,3 +67,27 @@ def test_the_standalone_packages_get_the_same_hooks() -> None:
 
     names = {ep.value for ep in entry_points(group="pytorch_lightning.callbacks_factory")}
     assert "neps_bcast.lightning_check:pytorch_lightning_callbacks" in names
+
+
+def test_the_children_hook_runs_before_lightning_starts_them() -> None:
+    from lightning.fabric.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as FabricLauncher,
+    )
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher as TrainerLauncher,
+    )
+
+    calls: list[str] = []
+    _lightning_compat.before_children_start(lambda: calls.append("hook"))
+    _lightning_compat.before_children_start(lambda: calls.append("latest"))
+    for launcher in (FabricLauncher, TrainerLauncher):
+        wrapper = launcher._call_children_scripts
+        original = wrapper.__wrapped__
+        assert not hasattr(original, "__wrapped__")  # one wrapper, however often installed
+        launcher._call_children_scripts = lambda self: calls.append("children")  # type: ignore[method-assign]
+        try:
+            _lightning_compat.before_children_start(lambda: calls.append("hook"))
+            launcher._call_children_scripts(object())  # type: ignore[arg-type]
+        finally:
+            launcher._call_children_scripts = wrapper  # type: ignore[method-assign]
+        assert calls[-2:] == ["hook", "children"]

@@ -62,24 +62,32 @@ def _imported(module_names: tuple[str, ...]) -> list[Any]:
     ]
 
 
+def _replace_method(cls: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> None:
+    """Replace ``cls.name`` by ``make(original)``; installing twice keeps one wrapper."""
+    current = getattr(cls, name)
+    original = getattr(current, "__wrapped__", current)
+    wrapper = make(original)
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(cls, name, wrapper)
+
+
 def before_observer_kills(hook: Callable[[], None]) -> None:
     """Run ``hook()`` in Lightning's observer thread before it SIGKILLs the launch.
 
     Installed once per process and Lightning copy; the latest ``hook`` wins.
     """
-    for module in _imported(OBSERVER_MODULES):
-        observer: Any = module._ChildProcessObserver
-        current = observer._terminate_all
-        original = getattr(current, "__wrapped__", current)
 
-        def _terminate_all(self: Any, original: Any = original) -> None:
+    def make(original: Any) -> Callable[..., Any]:
+        def _terminate_all(self: Any) -> None:
             try:
                 hook()
             finally:
                 original(self)
 
-        _terminate_all.__wrapped__ = original  # type: ignore[attr-defined]
-        observer._terminate_all = _terminate_all
+        return _terminate_all
+
+    for module in _imported(OBSERVER_MODULES):
+        _replace_method(module._ChildProcessObserver, "_terminate_all", make)
 
 
 def before_children_start(hook: Callable[[], None]) -> None:
@@ -89,17 +97,16 @@ def before_children_start(hook: Callable[[], None]) -> None:
 
     Installed once per process and Lightning copy; the latest ``hook`` wins.
     """
-    for module in _imported(LAUNCHER_MODULES):
-        launcher: Any = module._SubprocessScriptLauncher
-        current = launcher._call_children_scripts
-        original = getattr(current, "__wrapped__", current)
 
-        def _call_children_scripts(self: Any, original: Any = original) -> None:
+    def make(original: Any) -> Callable[..., Any]:
+        def _call_children_scripts(self: Any) -> None:
             hook()
             original(self)
 
-        _call_children_scripts.__wrapped__ = original  # type: ignore[attr-defined]
-        launcher._call_children_scripts = _call_children_scripts
+        return _call_children_scripts
+
+    for module in _imported(LAUNCHER_MODULES):
+        _replace_method(module._SubprocessScriptLauncher, "_call_children_scripts", make)
 
 
 def sigterm_without_broadcast(is_active: Callable[[], bool]) -> None:
@@ -110,21 +117,18 @@ def sigterm_without_broadcast(is_active: Callable[[], bool]) -> None:
     """
     names = tuple(n for n in SIGNAL_MODULES if n.rpartition(".trainer")[0] in sys.modules)
     for module in [importlib.import_module(n) for n in names]:
-        connector: Any = module._SignalConnector
-        current = connector._sigterm_notifier_fn
-        original = getattr(current, "__wrapped__", current)
 
-        def _sigterm_notifier_fn(
-            self: Any, signum: Any, frame: Any, original: Any = original, module: Any = module
-        ) -> None:
-            if not is_active():
-                original(self, signum, frame)
-                return
-            module.log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
-            launcher = self.trainer.strategy.launcher
-            if not self.received_sigterm and launcher is not None:
-                launcher.kill(signum)  # as Lightning does: its children get it too
-            self.received_sigterm = True
+        def make(original: Any, module: Any = module) -> Callable[..., Any]:
+            def _sigterm_notifier_fn(self: Any, signum: Any, frame: Any) -> None:
+                if not is_active():
+                    original(self, signum, frame)
+                    return
+                module.log.info(f"[rank: {self.trainer.local_rank}] Received SIGTERM: {signum}")
+                launcher = self.trainer.strategy.launcher
+                if not self.received_sigterm and launcher is not None:
+                    launcher.kill(signum)  # as Lightning does: its children get it too
+                self.received_sigterm = True
 
-        _sigterm_notifier_fn.__wrapped__ = original  # type: ignore[attr-defined]
-        connector._sigterm_notifier_fn = _sigterm_notifier_fn
+            return _sigterm_notifier_fn
+
+        _replace_method(module._SignalConnector, "_sigterm_notifier_fn", make)
