@@ -114,10 +114,17 @@ def test_an_attacker_on_the_leaders_store_runs_nothing_lightning(tmp_path: Path)
     outsider = attacker(tmp_path)
     running = start(SCENARIO, tmp_path)
     child = follower_pid(running)
-    aim(tmp_path, [_procfs.environ(child)["NEPS_BCAST_LEADER"]])
+    address = _procfs.environ(child)["NEPS_BCAST_LEADER"]
+    aim(tmp_path, [address])
+    leader = int(_procfs.read_stat(child).ppid)  # type: ignore[union-attr]
+    ports = listening_ports(leader)
     result = running.finish()
     report = stop_attack(tmp_path, outsider)
     assert_search_survived(result, tmp_path, report)
+    # The socket table: the leader's store listens on loopback only ...
+    assert ports[int(address.rpartition(":")[2])] == "127.0.0.1", ports
+    # ... and the same reading does see a listener on every interface (Lightning's own).
+    assert any(ip in ("0.0.0.0", "::") for ip in ports.values()), ports
 
 
 def test_an_attacker_on_both_stores_runs_nothing_torchrun(tmp_path: Path) -> None:
@@ -141,27 +148,23 @@ def test_an_attacker_on_both_stores_runs_nothing_torchrun(tmp_path: Path) -> Non
     assert_search_survived(result, tmp_path, report)
 
 
-def test_the_store_listens_on_loopback_only_and_not_at_all_without_children(
-    tmp_path: Path,
-) -> None:
-    running = start(Scenario(trials=3), tmp_path, name="ddp")
-    child = follower_pid(running)
-    address = _procfs.environ(child)["NEPS_BCAST_LEADER"]
-    port = int(address.rpartition(":")[2])
-    leader = int(_procfs.read_stat(child).ppid)  # type: ignore[union-attr]
-    ports = listening_ports(leader)
+def test_a_single_process_search_serves_no_store(tmp_path: Path) -> None:
+    running = start(
+        Scenario(
+            trials=3,
+            strategy="none",
+            faults=(Fault("sleep", rank=0, seq=2, where="session", seconds=1),),
+        ),
+        tmp_path,
+    )
+    running.wait_for(
+        "trial 2's pause", lambda ev: any(e["event"] == "fault" and e["seq"] == 2 for e in ev)
+    )
+    pid = leader_pid(running)
+    ports = listening_ports(pid)
     result = running.finish()
     assert_clean_launch(result)
-    assert ports[port] == "127.0.0.1", ports
-    # Positive control: the same reading sees Lightning's own store on every interface.
-    assert any(ip in ("0.0.0.0", "::") for ip in ports.values()), ports
-
-    single = start(Scenario(trials=3, strategy="none"), tmp_path, name="single")
-    pid = leader_pid(single)
-    ports_single = listening_ports(pid)
-    result = single.finish()
-    assert_clean_launch(result)
-    assert ports_single == {}, f"a single-process search listens on {ports_single}"
+    assert ports == {}, f"a single-process search listens on {ports}"
 
 
 def free_port() -> int:
