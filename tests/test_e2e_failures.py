@@ -189,21 +189,20 @@ def test_neps_default_stops_the_search_after_recording_the_trial(tmp_path: Path)
 def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> None:
     """SIGKILL on the follower in fit of trial 2; then the same command again.
 
-    ignore_errors=True: with NePS's default, NePS itself refuses to continue a root
-    that holds any crashed trial (OnErrorPossibilities.RAISE_ANY_ERROR)."""
+    A lost follower is an infrastructure failure (issue 11): trial 2 goes back to
+    pending (never left "evaluating"), and the rerun evaluates it first."""
     scenario = Scenario(trials=4, ignore_errors=True, root=str(tmp_path / "root"))
     result = run(replace(scenario, faults=(Fault("kill", rank=1, seq=2),)), tmp_path, name="first")
     assert_clean_launch(result, expect_rc=1)
     root, events = result.root, result.events
     recorded = reports(root)
     assert sorted(recorded) == [1, 2]
-    assert recorded[2][:2] == ("crashed", "crashed")  # not left "evaluating"
-    assert re.search(r"rank 1 lost: signal 9 \(SIGKILL\) \(pid \d+\)", recorded[2][2])
+    assert recorded[2][0] == "pending"  # not left "evaluating"
     exits = result.exits
     assert sorted(exits) == [0]  # the follower was SIGKILLed: it recorded no exit
     assert exits[0]["code"] == 1
     assert exits[0]["error"].startswith(
-        "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: signal 9 (SIGKILL)"
+        "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: "
     )
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
 
@@ -212,14 +211,11 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
     events = again.events
     recorded = reports(root)
     assert sorted(recorded) == [1, 2, 3, 4]
-    assert {n: r[0] for n, r in recorded.items()} == {
-        1: "success",
-        2: "crashed",
-        3: "success",
-        4: "success",
-    }
+    assert {n: r[0] for n, r in recorded.items()} == dict.fromkeys(range(1, 5), "success")
     second = [e for e in events if e["event"] == "trial" and e["t"] > result.gone_at]
     assert sorted({(e["trial_id"], e["rank"]) for e in second}) == [
+        ("2", 0),
+        ("2", 1),
         ("3", 0),
         ("3", 1),
         ("4", 0),
@@ -281,19 +277,23 @@ _TERMINATED_IN_FIT = (
     r".*    fault\(\"fit\"\)\n.*    os\.kill\(os\.getpid\(\), signal\.SIGTERM\)\n"
     r".*\n[\w.]*Terminated: 143\n"
 )
-SIGNAL_OUTCOMES: dict[str, tuple[int, str, dict[int, tuple[str, str, int]]]] = {
-    # launcher's exit code, NePS's whole error text, and each rank's
+_TERM_FOLLOWER = (
+    r"\[neps_bcast rank 0/2 leader\] trial 2 failed on rank 1: rank 1: Terminated: 143\."
+    r" Caused by it: rank 0: " + _GLOO_CLOSED + _TERMINATED_IN_FIT
+)
+SIGNAL_OUTCOMES: dict[str, tuple[int, str | None, dict[int, tuple[str, str, int]]]] = {
+    # launcher's exit code, NePS's whole error text (None: the trial went back to
+    # pending, issue 11: SIGTERM is preemption, not the trial's fault), and each rank's
     # (what its evaluate raised, that error's whole text, its exit code).
     "term_all": (
         143,
-        r"interrupted: Terminated 143",
+        None,
         {0: ("Terminated", "143", 143), 1: ("Terminated", "143", 143)},
     ),
     "term_follower": (
         1,
-        r"\[neps_bcast rank 0/2 leader\] trial 2 failed on rank 1: rank 1: Terminated: 143\."
-        r" Caused by it: rank 0: " + _GLOO_CLOSED + _TERMINATED_IN_FIT,
-        {0: ("TrialFailedError", "{text}", 1), 1: ("Terminated", "143", 143)},
+        None,
+        {0: ("TrialFailedError", _TERM_FOLLOWER, 1), 1: ("Terminated", "143", 143)},
     ),
     "int_leader": (
         1,
@@ -330,10 +330,13 @@ def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
     recorded = reports(result.root)
     assert sorted(recorded) == [1, 2]
     assert recorded[1][:2] == ("success", "success")
-    assert recorded[2][:2] == ("crashed", "crashed")
     text = recorded[2][2]
     pids = {f"pid{e['proc_rank']}": e["pid"] for e in result.of("start")}
-    assert re.fullmatch(want_text.format(**pids), text, re.DOTALL), text
+    if want_text is None:
+        assert recorded[2][0] == "pending", recorded[2]
+    else:
+        assert recorded[2][:2] == ("crashed", "crashed")
+        assert re.fullmatch(want_text.format(**pids), text, re.DOTALL), text
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
     # Every rank's outcome: what its evaluate raised, and the exit code it ended with.
     exits = result.exits
@@ -341,7 +344,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
     by_rank = raised(events, 2)
     assert sorted(by_rank) == [0, 1]
     for rank, (kind, pattern, code) in want_ranks.items():
-        want = re.escape(text) if pattern == "{text}" else pattern.format(**pids)
+        want = pattern.format(**pids)
         assert by_rank[rank]["type"] == kind, (rank, by_rank[rank])
         assert re.fullmatch(want, by_rank[rank]["text"], re.DOTALL), (rank, by_rank[rank])
         assert exits[rank]["code"] == code, (rank, exits[rank])
@@ -369,12 +372,12 @@ def test_a_second_sigterm_while_the_leader_records_the_trial(tmp_path: Path) -> 
     )
     events = result.events
     assert not result.left_alive, result.tail()
-    second = [f for f in faults(events) if f["where"] == "record"]
-    assert second, f"the second SIGTERM never came: the test did not test\n{result.tail()}"
+    # Since issue 11 a SIGTERM puts the trial back to pending without a NePS report, so
+    # the second SIGTERM (at NePS's report) has nothing left to cut short: it may not come.
     recorded = reports(result.root)
     assert sorted(recorded) == [1, 2], (recorded, result.tail())
     assert recorded[1][:2] == ("success", "success")
-    assert recorded[2][:2] == ("crashed", "crashed"), (recorded[2], result.tail())
+    assert recorded[2][0] == "pending", (recorded[2], result.tail())
     assert result.returncode == 143, result.tail()
     assert result.gone_at - faults(events)[0]["t"] < BOUND_S
 
@@ -406,7 +409,7 @@ def test_sigterm_to_a_follower_waiting_between_trials(tmp_path: Path) -> None:
     recorded = reports(result.root)
     assert recorded[1][:2] == ("success", "success")
     assert recorded[2][:2] == ("success", "success")
-    assert {r[0] for r in recorded.values()} <= {"success", "crashed"}, recorded
+    assert {r[0] for r in recorded.values()} <= {"success", "crashed", "pending"}, recorded
     assert result.returncode != 0, result.tail()
     assert result.gone_at - sent < BOUND_S
 
