@@ -91,3 +91,19 @@ def test_the_children_hook_runs_before_lightning_starts_them() -> None:
         finally:
             launcher._call_children_scripts = wrapper  # type: ignore[method-assign]
         assert calls[-2:] == ["hook", "children"]
+
+
+def test_the_size_check_survives_ddp_spawns_pickling_and_knows_the_spawn_launcher() -> None:
+    # ddp_spawn pickles the Trainer, callbacks included, to its workers.
+    import pickle
+
+    import lightning as L
+
+    from neps_bcast import lightning_check
+
+    check = lightning_check._check_class("lightning.pytorch")()
+    assert type(pickle.loads(pickle.dumps(check))) is type(check)
+    spawn = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False)
+    script = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    assert _lightning_compat.is_spawn_launcher(spawn.strategy, "lightning.pytorch")
+    assert not _lightning_compat.is_spawn_launcher(script.strategy, "lightning.pytorch")

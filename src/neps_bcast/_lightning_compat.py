@@ -62,6 +62,13 @@ def _imported(module_names: tuple[str, ...]) -> list[Any]:
     ]
 
 
+def is_spawn_launcher(strategy: Any, package: str) -> bool:
+    """Does this strategy start its processes with ``ddp_spawn`` / ``ddp_fork``
+    (Lightning's private ``_MultiProcessingLauncher``)?"""
+    module: Any = importlib.import_module(f"{package}.strategies.launchers.multiprocessing")
+    return isinstance(getattr(strategy, "launcher", None), module._MultiProcessingLauncher)
+
+
 def _replace_method(cls: Any, name: str, make: Callable[[Any], Callable[..., Any]]) -> None:
     """Replace ``cls.name`` by ``make(original)``; installing twice keeps one wrapper."""
     current = getattr(cls, name)
