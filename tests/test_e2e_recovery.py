@@ -28,7 +28,7 @@ from harness import (
     torchrun_cmd,
 )
 from neps_bcast import _procfs
-from neps_bcast.lease import read_lease
+from neps_bcast.lease_record import read_lease
 from scenario import Fault, Scenario
 
 SCRIPT = SCRIPTS / "recovery_search.py"

@@ -21,7 +21,8 @@ from harness import base_env, neps_trials
 from neps_bcast import _procfs
 from neps_bcast.config import Settings
 from neps_bcast.errors import LaunchError
-from neps_bcast.lease import LEASE_FILE, Lease, Leases, Owner, read_lease, retry_limit, why_dead
+from neps_bcast.lease import Leases
+from neps_bcast.lease_record import LEASE_FILE, Lease, Owner, read_lease, retry_limit, why_dead
 
 SCRIPT = Path(__file__).parent / "scripts" / "recovery_single.py"
 PYTHON = sys.executable

@@ -32,182 +32,24 @@ and after each of their trials (before NePS chooses the next one).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from neps_bcast import _log, _neps_compat, _procfs
+from neps_bcast import _log, _neps_compat
 from neps_bcast.config import Settings
-from neps_bcast.errors import LaunchError, format_message
-
-LEASE_FILE = ".neps_bcast_lease.json"
-"""The lease's name inside the trial's directory (hidden: it is ours, not the user's)."""
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _pid_namespace() -> str:
-    try:
-        return str(Path("/proc/self/ns/pid").readlink())
-    except OSError:
-        return ""
-
-
-@dataclass(frozen=True)
-class Owner:
-    """One process on one machine, for as long as that machine is up."""
-
-    host: str
-    boot_id: str
-    pid_namespace: str
-    pid: int
-    start_ticks: int
-
-    @classmethod
-    def me(cls) -> Owner:
-        pid = os.getpid()
-        return cls(
-            host=socket.gethostname(),
-            boot_id=_boot_id(),
-            pid_namespace=_pid_namespace(),
-            pid=pid,
-            start_ticks=_procfs.start_ticks(pid) or 0,
-        )
-
-    def shares_machine_with(self, other: Owner) -> bool:
-        """True when ``other``'s pid can be looked up here (same host, boot, namespace)."""
-        return bool(self.boot_id) and (self.host, self.boot_id, self.pid_namespace) == (
-            other.host,
-            other.boot_id,
-            other.pid_namespace,
-        )
-
-    def describe(self) -> str:
-        return f"pid {self.pid} on {self.host}"
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One evaluation of the trial that an infrastructure failure interrupted."""
-
-    owner: Owner
-    started: float
-    ended: float
-    how: str
-
-    def describe(self, number: int) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
-        return (
-            f"attempt {number} ({self.owner.describe()}, started {when},"
-            f" {self.ended - self.started:.1f} s): {self.how}"
-        )
-
-
-@dataclass(frozen=True)
-class Lease:
-    trial_id: str
-    owner: Owner | None
-    """None: nobody evaluates it (it was put back to pending)."""
-    started: float
-    heartbeat: float
-    attempts: tuple[Attempt, ...] = field(default=())
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> Lease:
-        raw: dict[str, Any] = json.loads(text)
-        owner = raw.get("owner")
-        return cls(
-            trial_id=str(raw["trial_id"]),
-            owner=Owner(**owner) if owner else None,
-            started=float(raw["started"]),
-            heartbeat=float(raw["heartbeat"]),
-            attempts=tuple(
-                Attempt(Owner(**a["owner"]), a["started"], a["ended"], a["how"])
-                for a in raw.get("attempts", ())
-            ),
-        )
-
-    def history(self) -> str:
-        return "; ".join(a.describe(n) for n, a in enumerate(self.attempts, 1))
-
-
-def read_lease(trial_dir: Path) -> Lease | None:
-    """The trial's lease, or None if it has none (or an unreadable one)."""
-    try:
-        return Lease.from_json((trial_dir / LEASE_FILE).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        _log.log(logging.WARNING, "neps_bcast lease", "ignoring %s: %s", trial_dir, exc)
-        return None
-
-
-def write_lease(trial_dir: Path, lease: Lease) -> None:
-    """Atomically (a reader sees the old lease or the new one, never half of one)."""
-    tmp = trial_dir / f"{LEASE_FILE}.{socket.gethostname()}.{os.getpid()}.tmp"
-    tmp.write_text(lease.to_json())
-    tmp.replace(trial_dir / LEASE_FILE)
-
-
-def why_dead(
-    lease: Lease | None, time_started: float | None, me: Owner, now: float, grace_s: float
-) -> str | None:
-    """Why the trial's owner is provably gone, or None while it may be alive."""
-    owner = lease.owner if lease is not None else None
-    if lease is None or owner is None:
-        if time_started is not None and now - time_started > grace_s:
-            return (
-                f"evaluating for {now - time_started:.0f} s without a lease (grace"
-                f" {grace_s:.0f} s): its worker died before it wrote one"
-            )
-        return None
-    if me.shares_machine_with(owner):
-        ticks = _procfs.start_ticks(owner.pid)
-        if ticks is None or not _procfs.is_alive(owner.pid):
-            return f"its leader ({owner.describe()}) is gone"
-        if ticks != owner.start_ticks:
-            return f"its leader ({owner.describe()}) is gone; that pid is another process now"
-        return None
-    age = now - lease.heartbeat
-    if age > grace_s:
-        return (
-            f"no heartbeat from its leader ({owner.describe()}) for {age:.0f} s"
-            f" (grace {grace_s:.0f} s)"
-        )
-    return None
-
-
-def retry_limit(settings: Settings) -> int:
-    raw = settings.max_retries
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise LaunchError(
-            format_message(
-                "neps_bcast settings",
-                f"NEPS_BCAST_MAX_RETRIES={raw!r} is not a whole number >= 0.",
-                "unset NEPS_BCAST_MAX_RETRIES (default 3) or set it to a count, e.g. 5"
-                " (0: never retry a trial).",
-            )
-        )
-    return limit
+from neps_bcast.lease_record import (
+    Attempt,
+    Lease,
+    Owner,
+    read_lease,
+    retry_limit,
+    why_dead,
+    write_lease,
+)
 
 
 class Leases:
