@@ -78,7 +78,7 @@ def _child(
     faulthandler.dump_traceback_later(WAIT - 10)
     try:
         if rank == 0:
-            store = serve_store(STORE_TIMEOUT)
+            store = serve_store(STORE_TIMEOUT, loopback=True)
             for _ in range(size - 1):
                 ports.put(store.port)
         else:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import pytest
 
 from neps_bcast import peers, sockets
+from neps_bcast.auth import Signer
 from neps_bcast.group import group_connections
 
 ECHO_SERVER = textwrap.dedent(
@@ -136,7 +137,7 @@ def test_endpoints_are_parsed_from_proc_net_tcp() -> None:
 )
 def test_a_lost_child_is_described_and_left_for_its_owner_to_reap(code: str, expected: str) -> None:
     child = subprocess.Popen([sys.executable, "-c", code])
-    table = peers.Peers(0)
+    table = peers.Peers(0, Signer(b"s" * 32))
     table._known[1] = peers.Peer(1, socket.gethostname(), child.pid)
     text = table.describe_lost(None, 2)
     assert text == f"rank 1 lost: {expected} (pid {child.pid})"
@@ -148,7 +149,7 @@ def test_a_lost_child_is_described_and_left_for_its_owner_to_reap(code: str, exp
 def test_a_lost_process_that_is_not_a_child_is_named_gone() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(timeout=30)
-    table = peers.Peers(0)
+    table = peers.Peers(0, Signer(b"s" * 32))
     table._known[1] = peers.Peer(1, socket.gethostname(), child.pid)
     assert table.describe_lost(None, 2) == f"rank 1 lost: its process is gone (pid {child.pid})"
     table._known[1] = peers.Peer(1, socket.gethostname(), os.getpid())  # alive: not lost

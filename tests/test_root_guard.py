@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from harness import PYTHON, SEARCH, base_env
+from harness import PYTHON, assert_clean_launch, base_env, run
+from scenario import Scenario
 
 PLAIN_NEPS = """
 import neps, sys
@@ -21,11 +22,11 @@ neps.run(evaluate, Basic(), root_directory=sys.argv[1], total_evaluations_to_spe
 """
 
 
-def run(cmd: list[str], tmp_path: Path, seed: str, **env: str) -> subprocess.CompletedProcess[str]:
+def plain_neps(root: Path, tmp_path: Path, seed: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        cmd,
+        [PYTHON, "-c", PLAIN_NEPS, str(root)],
         cwd=tmp_path,
-        env=base_env(PYTHONHASHSEED=seed, **env),
+        env=base_env(PYTHONHASHSEED=seed),
         capture_output=True,
         text=True,
         timeout=120,
@@ -35,16 +36,27 @@ def run(cmd: list[str], tmp_path: Path, seed: str, **env: str) -> subprocess.Com
 
 def test_second_worker_with_another_hash_seed(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    search = {"NB_ROOT": str(root), "NB_STRATEGY": "none"}
-    first = run([PYTHON, str(SEARCH)], tmp_path, "1", NB_TRIALS="2", **search)
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    first = run(
+        Scenario(trials=2, strategy="none", root=str(root)),
+        tmp_path,
+        name="first",
+        env={"PYTHONHASHSEED": "1"},
+    )
+    assert_clean_launch(first)
     # Plain NePS refuses the very same space when the process's hash seed orders the
     # categorical choices differently (NePS builds them with list(set(choices))). If
     # this starts passing, NePS fixed it and neps_bcast.root_guard can be simplified.
-    plain = run([PYTHON, "-c", PLAIN_NEPS, str(root)], tmp_path, "2")
+    plain = plain_neps(root, tmp_path, "2")
     assert plain.returncode != 0
     assert "The pipeline space on disk does not match" in plain.stderr
-    second = run([PYTHON, str(SEARCH)], tmp_path, "2", NB_TRIALS="4", **search)
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-    assert "continuing with the equivalent search space" in second.stdout + second.stderr
-    assert (tmp_path / ".root.neps_bcast.lock").exists()
+    second = run(
+        Scenario(trials=4, strategy="none", root=str(root)),
+        tmp_path,
+        name="second",
+        env={"PYTHONHASHSEED": "2"},
+    )
+    assert_clean_launch(second)
+    assert "continuing with the equivalent search space" in second.log
+    lock = tmp_path / ".root.neps_bcast.lock"
+    assert lock.exists()
+    assert lock.stat().st_mode & 0o777 == 0o600  # owner-only
