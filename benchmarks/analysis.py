@@ -252,4 +252,5 @@ def summarize(raw: Record, config: BenchConfig) -> Record:
         "reliability": summarize_reliability(raw),
         "bo": summarize_bo(raw),
         "sweep": summarize_sweep(raw),
+        "auth": raw.get("auth", {}),
     }

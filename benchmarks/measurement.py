@@ -270,9 +270,30 @@ def alternating(run_index: int) -> tuple[str, ...]:
     return SYSTEMS if run_index % 2 == 0 else SYSTEMS[::-1]
 
 
+def measure_auth(repetitions: int = 2000) -> Record:
+    """What authenticating one trial message costs (issue 10): the leader tags it, a
+    follower checks the tag, for a 1 KB trial, in this process (no launch needed)."""
+    import time as clock
+
+    from neps_bcast.auth import Signer, new_secret
+    from neps_bcast.messages import TrialMessage, encode
+
+    signer = Signer(new_secret())
+    message = TrialMessage(1, "1", {"x": 0.5, "payload": "p" * 1000}, None, None)
+    payload = encode(message, tag="bench")
+    samples = []
+    for _ in range(repetitions):
+        start = clock.perf_counter()
+        signer.open("channel", signer.sign("channel", payload))
+        samples.append(clock.perf_counter() - start)
+    samples.sort()
+    return {"bytes": len(payload), "median_us": samples[len(samples) // 2] * 1e6}
+
+
 def measure_all(config: BenchConfig, tmp: Path) -> Record:
     """Every section in order; returns the raw results ``analysis.summarize`` reads."""
     raw: Record = {"plain": {}, "sweep": {}, "e2e": [], "reliability": [], "bo": {}}
+    raw["auth"] = measure_auth()
     progress("1/5 neps_bcast channel alone")
     raw["channel"] = {
         str(world): measure_channel(world, config, tmp) for world in config.channel_worlds

@@ -224,8 +224,29 @@ NEXT_TRIAL = Metric(
     section("bo", "sample_s_last5", "median"),
     digits=3,
 )
+
+
+def auth_share(summary: Summary, system: str, world: str) -> Cell:
+    """Authenticating one trial message (tag + check), as % of the handoff median."""
+    cost_us = dig(summary, "auth", "median_us")
+    handoff_ms = dig(summary, "plain", world, "ours", "all", "median")
+    if not isinstance(cost_us, float | int) or not isinstance(handoff_ms, float | int):
+        return None
+    return 100 * cost_us / (1000 * handoff_ms)
+
+
+AUTH = Metric(
+    "authenticating a 1 KB trial (HMAC tag + check) as % of the handoff median, world {world}",
+    auth_share,
+    digits=2,
+    ratio="none",
+    goal=AtMost({2: 5.0, 4: 5.0, 8: 5.0}, "%"),
+    per_world="plain",
+    builtin_applies=False,
+)
 REPORT_ROWS: tuple[tuple[Metric, ...], ...] = (
     (HANDOFF, HANDOFF_P95),
+    (AUTH,),
     (CHANNEL,),
     (OVERHEAD,),
     (FOLLOWER_CPU,),
