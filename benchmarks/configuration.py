@@ -32,6 +32,15 @@ HANDOFF_GOAL_MS: dict[int, float] = {2: 2.0, 8: 10.0}
 FOLLOWER_CPU_GOAL_PERCENT: dict[int, float] = {2: 1.0}
 """Follower CPU while the leader holds a trial, % of a core, by world size."""
 
+GROUP_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 2), (1, 4))
+"""``neps-bcast launch`` layouts compared (groups, ranks per group): the same 4 ranks as two
+NePS workers or as one. The first is the numerator of the row's ratio."""
+
+
+def layout_key(groups: int, nproc_per_group: int) -> str:
+    """ "2x2": the key of a layout in the summary's ``groups`` section."""
+    return f"{groups}x{nproc_per_group}"
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -56,6 +65,11 @@ class BenchConfig:
     rel_trials: int
     bo_trials: int
     """Trials of the Bayesian-optimization run (time to sample the next trial)."""
+    groups_trials: int = 8
+    """Trials (budget) of one ``neps-bcast launch`` run, the same for every layout."""
+    groups_runs: int = 1
+    """Runs per layout of GROUP_LAYOUTS, interleaved. (Both fields have defaults so that
+    summaries written before they existed still read.)"""
 
     @classmethod
     def from_json(cls, fields: dict[str, Any]) -> BenchConfig:
@@ -82,6 +96,9 @@ QUICK = BenchConfig(
     rel_runs=1,
     rel_trials=6,
     bo_trials=8,
+    # ~1 min per launch of 4 ranks on 2 cores, most of it the ranks' imports.
+    groups_trials=8,
+    groups_runs=1,
 )
 
 FULL = BenchConfig(
@@ -97,6 +114,8 @@ FULL = BenchConfig(
     rel_runs=27,
     rel_trials=6,
     bo_trials=30,
+    groups_trials=8,
+    groups_runs=3,
 )
 
 CONFIGS: dict[Mode, BenchConfig] = {"quick": QUICK, "full": FULL}
