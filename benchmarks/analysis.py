@@ -4,7 +4,7 @@ Two levels. Per launch (called by ``measurement``): ``trial_timings`` turns the 
 JSON lines into one record per trial (handoff, overhead, sampling time) and
 ``follower_wait_cpu`` turns the supervisor's CPU samples into CPU rates while the leader
 holds a trial. Per run: ``summarize`` reduces all launches to medians, p95s and counts,
-one section per measurement (channel, plain, e2e, reliability, bo, sweep).
+one section per measurement (channel, plain, e2e, reliability, bo, sweep, groups).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from configuration import PAYLOAD_BYTES, SYSTEMS, BenchConfig
+from configuration import GROUP_LAYOUTS, PAYLOAD_BYTES, SYSTEMS, BenchConfig, layout_key
 
 Record = dict[str, Any]
 
@@ -243,6 +243,46 @@ def summarize_sweep(raw: Record) -> Record:
     }
 
 
+def median_of(launches: list[Record], field: str) -> float | None:
+    values = [launch[field] for launch in launches if launch.get(field) is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize_groups(raw: Record) -> Record:
+    """``neps-bcast launch`` layouts (``"2x2"``, ``"1x4"``): medians over completed runs.
+
+    ``trials_per_min`` counts NePS's successful trials between the first trial's start and
+    the last trial's end; ``trials_per_min_wall`` the same over the whole launch. ``ratio``
+    is the first layout's trials per minute over the second's (2x2 / 1x4).
+    """
+    by_layout: Record = {}
+    for groups, nproc_per_group in GROUP_LAYOUTS:
+        key = layout_key(groups, nproc_per_group)
+        launches = [launch for launch in raw.get("groups", []) if launch["layout"] == key]
+        if not launches:
+            continue
+        completed = [launch for launch in launches if launch["completed"]]
+        by_layout[key] = {
+            "runs": len(completed),
+            "runs_total": len(launches),
+            "trials_per_min": median_of(completed, "trials_per_min"),
+            "trials_per_min_wall": median_of(completed, "trials_per_min_wall"),
+            "span_s": median_of(completed, "span_s"),
+            "wall_s": median_of(completed, "wall_s"),
+            "cpu_s": median_of(completed, "cpu_at_exit_s"),
+            "workers": sorted({launch["workers"] for launch in launches}),
+            "trials_done": [launch["neps_successes"] for launch in launches],
+            "trials_wanted": launches[0]["trials_wanted"],
+            "left": sum(launch["left"] for launch in launches),
+            "errors": sorted({launch["error"] for launch in launches if launch["error"]}),
+        }
+    keys = [layout_key(*layout) for layout in GROUP_LAYOUTS]
+    if len(keys) == 2 and all(key in by_layout for key in keys):
+        first, second = (by_layout[key]["trials_per_min"] for key in keys)
+        by_layout["ratio"] = first / second if first is not None and second else None
+    return by_layout
+
+
 def summarize(raw: Record, config: BenchConfig) -> Record:
     """The ``summary`` block of ``summary_<mode>.json``."""
     return {
@@ -253,4 +293,5 @@ def summarize(raw: Record, config: BenchConfig) -> Record:
         "bo": summarize_bo(raw),
         "sweep": summarize_sweep(raw),
         "auth": raw.get("auth", {}),
+        "groups": summarize_groups(raw),
     }

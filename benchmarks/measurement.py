@@ -20,7 +20,15 @@ from typing import Any
 
 from _proc import LAUNCH_MARKER, ROLE_VARIABLE, clean_env, launch_pids, new_launch_id, procfs
 from analysis import channel_latency_ms, cpu_timelines, follower_wait_cpu, trial_timings
-from configuration import HERE, PAYLOAD_BYTES, RAW, SYSTEMS, BenchConfig
+from configuration import (
+    GROUP_LAYOUTS,
+    HERE,
+    PAYLOAD_BYTES,
+    RAW,
+    SYSTEMS,
+    BenchConfig,
+    layout_key,
+)
 
 Record = dict[str, Any]
 PYTHON = sys.executable
@@ -127,9 +135,9 @@ def error_line(log_tail: str) -> str:
     return chosen.strip()[:200]
 
 
-def save_raw(name: str, supervisor_record: Record, result: Record) -> None:
-    RAW.mkdir(parents=True, exist_ok=True)
-    (RAW / f"{name}.json").write_text(
+def save_raw(name: str, supervisor_record: Record, result: Record, raw_dir: Path = RAW) -> None:
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    (raw_dir / f"{name}.json").write_text(
         json.dumps({"supervisor": supervisor_record, "result": result})
     )
 
@@ -264,6 +272,126 @@ def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
     return result
 
 
+def neps_trials(root: Path) -> list[Record]:
+    """Every trial NePS wrote under ``root``: its state, worker and start / end times."""
+    trials = []
+    for path in sorted((root / "configs").glob("*/metadata.json")):
+        try:
+            metadata = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # a trial file cut off by a kill
+        trials.append(
+            {
+                field: metadata.get(field)
+                for field in ("id", "state", "evaluating_worker_id", "time_started", "time_end")
+            }
+        )
+    return trials
+
+
+def group_logs_error(log_dir: Path) -> str:
+    """The first exception line of the ranks' logs (the launcher's own log rarely names it)."""
+    for path in sorted(log_dir.glob("group*/rank*.log")):
+        line = error_line(path.read_text(errors="replace")[-LOG_TAIL_CHARS:])
+        if line:
+            return f"{path.parent.name}/{path.name}: {line}"
+    return ""
+
+
+def measure_groups(
+    groups: int, nproc_per_group: int, trials: int, tag: str, tmp: Path, raw_dir: Path = RAW
+) -> Record:
+    """One ``neps-bcast launch --groups K --nproc-per-group N groups_search.py`` to the end.
+
+    Throughput comes from NePS's trial metadata: successful trials per minute between the
+    first trial's start and the last trial's end (``span``), so the launch's start-up
+    (imports, rendezvous) and shutdown stay out of it; the same per wall minute of the
+    whole launch is kept next to it.
+    """
+    key = layout_key(groups, nproc_per_group)
+    name = f"{tag}_{key}"
+    folder = tmp / name
+    folder.mkdir()
+    cmd = [
+        PYTHON,
+        *("-m", "neps_bcast", "launch"),
+        *("--groups", str(groups), "--nproc-per-group", str(nproc_per_group)),
+        *("--log-dir", str(folder / "logs"), "--status-interval", "30"),
+        str(HERE / "groups_search.py"),
+        *("--root", str(folder / "root"), "--trials", str(trials)),
+    ]
+    record = supervised(name, cmd, cwd=folder, deadline_s=90 + 15 * trials)
+    recorded = neps_trials(folder / "root")
+    succeeded = [
+        trial
+        for trial in recorded
+        if trial["state"] == "success" and trial["time_started"] and trial["time_end"]
+    ]
+    span_s = (
+        max(trial["time_end"] for trial in succeeded)
+        - min(trial["time_started"] for trial in succeeded)
+        if succeeded
+        else None
+    )
+    wall_s = record["wall_s"]
+    error = ""
+    if record["exit_code"] != 0:
+        error = group_logs_error(folder / "logs") or error_line(record["log_tail"])
+    result = {
+        "layout": key,
+        "groups": groups,
+        "nproc_per_group": nproc_per_group,
+        "exit_code": record["exit_code"],
+        "timed_out": record["timed_out"],
+        "neps_successes": len(succeeded),
+        "trials_recorded": len(recorded),
+        "trials_wanted": trials,
+        "completed": record["exit_code"] == 0
+        and not record["timed_out"]
+        and len(succeeded) >= trials,
+        "workers": len({trial["evaluating_worker_id"] for trial in succeeded}),
+        "span_s": span_s,
+        "trials_per_min": 60 * len(succeeded) / span_s if span_s else None,
+        "wall_s": wall_s,
+        "trials_per_min_wall": 60 * len(succeeded) / wall_s if wall_s else None,
+        "cpu_at_exit_s": record["cpu_at_exit_s"],
+        "left": len(record["left"]),
+        "killed_at_deadline": len(record.get("killed_at_deadline", [])),
+        "error": error,
+        "trials": recorded,
+    }
+    save_raw(name, record, result, raw_dir)
+    span_text = "n/a" if span_s is None else f"{span_s:.1f}s"
+    tpm = result["trials_per_min"]
+    progress(
+        f"  {tag} {key}: exit={record['exit_code']} ok={result['completed']}"
+        f" trials={len(succeeded)}/{trials} workers={result['workers']} span={span_text}"
+        f" trials/min={'n/a' if tpm is None else f'{tpm:.1f}'} wall={wall_s:.1f}s"
+        f" left={result['left']} {error[:100]}"
+    )
+    return result
+
+
+def measure_group_layouts(config: BenchConfig, tmp: Path, raw_dir: Path = RAW) -> list[Record]:
+    """Every layout of GROUP_LAYOUTS ``groups_runs`` times, interleaved; the first layout
+    alternates between runs so that neither always goes first."""
+    launches = []
+    for run_index in range(config.groups_runs):
+        layouts = GROUP_LAYOUTS if run_index % 2 == 0 else GROUP_LAYOUTS[::-1]
+        for groups, nproc_per_group in layouts:
+            launches.append(
+                measure_groups(
+                    groups,
+                    nproc_per_group,
+                    config.groups_trials,
+                    f"groups{run_index}",
+                    tmp,
+                    raw_dir,
+                )
+            )
+    return launches
+
+
 # ----------------------------------------------------------------------------- all sections
 def alternating(run_index: int) -> tuple[str, ...]:
     """Which system goes first alternates between repeated runs."""
@@ -294,12 +422,12 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
     """Every section in order; returns the raw results ``analysis.summarize`` reads."""
     raw: Record = {"plain": {}, "sweep": {}, "e2e": [], "reliability": [], "bo": {}}
     raw["auth"] = measure_auth()
-    progress("1/5 neps_bcast channel alone")
+    progress("1/6 neps_bcast channel alone")
     raw["channel"] = {
         str(world): measure_channel(world, config, tmp) for world in config.channel_worlds
     }
 
-    progress("2/5 plain DDP: handoff, overhead, waiting CPU (interleaved)")
+    progress("2/6 plain DDP: handoff, overhead, waiting CPU (interleaved)")
     plain = PlainWorkload(
         tag="plain",
         trials=config.plain_trials,
@@ -316,22 +444,25 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
     for system in SYSTEMS:
         raw["sweep"][system] = measure_plain(system, 2, sweep, tmp)
 
-    progress("3/5 end to end, Lightning ddp x2 (interleaved)")
+    progress("3/6 end to end, Lightning ddp x2 (interleaved)")
     for run_index in range(config.e2e_runs):
         for system in alternating(run_index):
             raw["e2e"].append(measure_lightning(system, config.e2e_trials, f"e2e{run_index}", tmp))
 
-    progress("4/5 reliability, Lightning ddp x2 (interleaved)")
+    progress("4/6 reliability, Lightning ddp x2 (interleaved)")
     for run_index in range(config.rel_runs):
         for system in alternating(run_index):
             raw["reliability"].append(
                 measure_lightning(system, config.rel_trials, f"rel{run_index}", tmp)
             )
 
-    progress("5/5 Bayesian optimization at world 2 (interleaved)")
+    progress("5/6 Bayesian optimization at world 2 (interleaved)")
     bayesian = PlainWorkload(
         tag="bo", trials=config.bo_trials, payloads=(), optimizer="bayesian_optimization"
     )
     for system in SYSTEMS:
         raw["bo"][system] = measure_plain(system, 2, bayesian, tmp)
+
+    progress("6/6 neps-bcast launch: 2 groups x 2 ranks vs 1 group x 4 ranks (interleaved)")
+    raw["groups"] = measure_group_layouts(config, tmp)
     return raw
