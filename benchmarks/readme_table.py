@@ -16,6 +16,7 @@ from report import (
     E2E_CPU,
     E2E_WALL,
     FOLLOWER_CPU,
+    GROUPS,
     HANDOFF,
     NEXT_TRIAL,
     OVERHEAD,
@@ -90,6 +91,8 @@ class ReadmeRow:
     ``{runs}`` and any field of ``BenchConfig``."""
     parts: tuple[Metric, ...]
     digits: int
+    needs: str | None = None
+    """A summary section the row needs; summaries written before it existed skip the row."""
 
 
 README_ROWS: tuple[ReadmeRow, ...] = (
@@ -118,6 +121,13 @@ README_ROWS: tuple[ReadmeRow, ...] = (
         (E2E_WALL, E2E_CPU),
         digits=1,
     ),
+    ReadmeRow(
+        "`neps-bcast launch`, {groups_trials} trials, Lightning ddp on 4 CPU ranks: trials per"
+        " minute, 2 groups x 2 ranks / 1 group x 4 ranks",
+        (GROUPS,),
+        digits=1,
+        needs="groups",
+    ),
 )
 
 
@@ -134,6 +144,8 @@ def readme_table(summary: Summary, config: BenchConfig) -> str:
     fields = {**label_fields(summary, config), "handoff_goal": handoff_goal}
     rows = []
     for readme_row in README_ROWS:
+        if readme_row.needs is not None and not summary.get(readme_row.needs):
+            continue
         worlds = " / ".join(readme_row.parts[0].worlds(summary))
         ours_parts, builtin_parts, ratio_parts = [], [], []
         for metric in readme_row.parts:

@@ -15,12 +15,14 @@ from typing import Any, Literal
 
 from configuration import (
     FOLLOWER_CPU_GOAL_PERCENT,
+    GROUP_LAYOUTS,
     HANDOFF_GOAL_MS,
     PAYLOAD_BYTES,
     SYSTEM_LABELS,
     SYSTEMS,
     BenchConfig,
     Mode,
+    layout_key,
     make_target,
 )
 
@@ -98,7 +100,10 @@ class Metric:
     """Row title; may name ``{world}`` and any field of ``BenchConfig``."""
     value: ValueReader
     digits: int = 2
-    ratio: Literal["builtin/ours", "ours/builtin", "none"] = "builtin/ours"
+    ratio: Literal["builtin/ours", "ours/builtin", "first/second", "none"] = "builtin/ours"
+    """``first/second``: the ours cell is a pair, the ratio is its first over its second
+    value, followed by ``ratio_note`` (which says what the two are)."""
+    ratio_note: str = ""
     goal: AtMost | str = ""
     per_world: Literal["plain", "channel"] | None = None
     """Which section's world sizes the row repeats over."""
@@ -120,6 +125,9 @@ class Metric:
             return format_ratio(builtin, ours, short=short)
         if self.ratio == "ours/builtin":
             return format_ratio(ours, builtin, short=short) + ("" if short else " (ours/built-in)")
+        if self.ratio == "first/second":
+            first, second = ours if isinstance(ours, tuple) else (None, None)
+            return f"{format_ratio(first, second, short=short)} ({self.ratio_note})"
         return "-"
 
     def goal_text(self, ours: Cell, world: str) -> str:
@@ -244,6 +252,24 @@ AUTH = Metric(
     per_world="plain",
     builtin_applies=False,
 )
+
+
+def groups_throughput(summary: Summary, system: str, world: str) -> Cell:
+    """Trials per minute of each ``neps-bcast launch`` layout: (2x2, 1x4)."""
+    return tuple(
+        dig(summary, "groups", layout_key(*layout), "trials_per_min") for layout in GROUP_LAYOUTS
+    )
+
+
+GROUPS = Metric(
+    "trials per minute, 2 groups x 2 ranks / 1 group x 4 ranks (`neps-bcast launch`,"
+    " {groups_trials} trials, Lightning ddp on CPU, first trial start -> last trial end)",
+    groups_throughput,
+    digits=1,
+    ratio="first/second",
+    ratio_note="2x2 / 1x4",
+    builtin_applies=False,
+)
 REPORT_ROWS: tuple[tuple[Metric, ...], ...] = (
     (HANDOFF, HANDOFF_P95),
     (AUTH,),
@@ -258,6 +284,7 @@ REPORT_ROWS: tuple[tuple[Metric, ...], ...] = (
     (RUNS_LEFT,),
     (LEFT_CPU,),
     (NEXT_TRIAL,),
+    (GROUPS,),
 )
 """The main table of REPORT.md, top to bottom. Each group repeats world by world: for
 world 2 the handoff median then its p95, then the same for world 4, and so on."""
@@ -266,7 +293,7 @@ world 2 the handoff median then its p95, then the same for world 4, and so on.""
 # ----------------------------------------------------------------------------- tables
 def label_fields(summary: Summary, config: BenchConfig) -> dict[str, Any]:
     """What a row label may name: every ``BenchConfig`` field and ``runs`` (Lightning runs)."""
-    return {**asdict(config), "runs": summary["reliability"]["ours"]["runs"]}
+    return {**asdict(config), "runs": dig(summary, "reliability", "ours", "runs")}
 
 
 def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
@@ -275,24 +302,32 @@ def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
+MAIN_HEADER = ("metric", "neps_bcast (ours)", "NePS built-in", "built-in / ours", "goal")
+
+
+def metric_row(
+    metric: Metric, summary: Summary, fields: dict[str, Any], world: str = ""
+) -> tuple[str, ...]:
+    """One row of the main table (``MAIN_HEADER``'s columns)."""
+    ours, builtin = metric.cells(summary, world)
+    return (
+        metric.label.format(**fields, world=world),
+        format_cell(ours, metric.digits),
+        format_cell(builtin, metric.digits),
+        metric.ratio_text(ours, builtin),
+        metric.goal_text(ours, world),
+    )
+
+
 def main_table(summary: Summary, config: BenchConfig) -> str:
     fields = label_fields(summary, config)
-    rows = []
-    for group in REPORT_ROWS:
-        for world in group[0].worlds(summary):
-            for metric in group:
-                ours, builtin = metric.cells(summary, world)
-                rows.append(
-                    (
-                        metric.label.format(**fields, world=world),
-                        format_cell(ours, metric.digits),
-                        format_cell(builtin, metric.digits),
-                        metric.ratio_text(ours, builtin),
-                        metric.goal_text(ours, world),
-                    )
-                )
-    header = ("metric", "neps_bcast (ours)", "NePS built-in", "built-in / ours", "goal")
-    return markdown_table(header, rows)
+    rows = [
+        metric_row(metric, summary, fields, world)
+        for group in REPORT_ROWS
+        for world in group[0].worlds(summary)
+        for metric in group
+    ]
+    return markdown_table(MAIN_HEADER, rows)
 
 
 def payload_table(summary: Summary) -> str:
@@ -352,6 +387,42 @@ def launches_table(summary: Summary) -> str:
         )
     header = ("world, payload", "system", "trials done", "completed", "processes left", "error")
     return markdown_table(header, rows)
+
+
+def groups_table(summary: Summary) -> str:
+    """Each ``neps-bcast launch`` layout: runs, throughput both ways, times, workers, leftovers."""
+    rows = []
+    for groups, nproc_per_group in GROUP_LAYOUTS:
+        entry = dig(summary, "groups", layout_key(groups, nproc_per_group))
+        if entry is None:
+            continue
+        rows.append(
+            (
+                f"{groups} x {nproc_per_group}",
+                f"{entry['runs']}/{entry['runs_total']}",
+                format_number(entry["trials_per_min"], 1),
+                format_number(entry["trials_per_min_wall"], 1),
+                format_number(entry["span_s"], 1),
+                format_number(entry["wall_s"], 1),
+                format_number(entry["cpu_s"], 1),
+                ", ".join(map(str, entry["workers"])),
+                str(entry["left"]),
+                "; ".join(entry["errors"]),
+            )
+        )
+    header = (
+        "groups x ranks",
+        "runs completed",
+        "trials/min (span)",
+        "trials/min (wall)",
+        "span (s)",
+        "wall (s)",
+        "CPU-s",
+        "NePS workers",
+        "processes left",
+        "errors",
+    )
+    return markdown_table(header, rows) if rows else "Not measured in this run."
 
 
 def goal_lines(summary: Summary) -> list[str]:
@@ -417,6 +488,15 @@ Definitions:
 - *Bayesian optimization*: plain-DDP workload, world 2, `optimizer="bayesian_optimization"`,
   {config.bo_trials} trials; time from the leader's trial function returning to NePS marking the
   next trial as started, median of the last 5 trials.
+- *2 groups x 2 ranks / 1 group x 4 ranks*: `neps-bcast launch --groups K --nproc-per-group N
+  benchmarks/groups_search.py` with (K, N) = (2, 2) and (1, 4), the same 4 CPU ranks either way,
+  {config.groups_trials} trials (`total_evaluations_to_spend`), {config.groups_runs} run(s) per
+  layout, interleaved. Each trial is Lightning `strategy="ddp"`, one epoch of the same 1024
+  samples in global batches of 64 (16 steps per rank in both layouts), tiny MLP, random
+  search over the learning rate. Trials per minute = NePS's successful trials / (last
+  `time_end` - first `time_started` in the trials' `metadata.json`), median over completed
+  runs; the ratio is 2x2 / 1x4 (higher = two groups search faster). neps_bcast only: NePS's
+  built-in mode has no launcher for several groups.
 
 ## Handoff by payload (plain-DDP workload, median ms)
 
@@ -424,6 +504,13 @@ The trial's arguments include a string of this size (a `Categorical` choice), so
 with the trial: neps_bcast broadcasts it, NePS's followers read it from the trial file.
 
 {payload_table(summary)}
+
+## 2 groups x 2 ranks vs 1 group x 4 ranks (`neps-bcast launch`)
+
+Trials/min (span): between the first trial's start and the last trial's end (the main
+table's figure); trials/min (wall): over the whole launch, imports and shutdown included.
+
+{groups_table(summary)}
 
 ## Plain-DDP launches
 
