@@ -49,11 +49,16 @@ def supervised(
     role: str | None = None,
     grace_s: float = 5.0,
     linger_s: float = 2.0,
+    extra_env: dict[str, str] | None = None,
 ) -> Record:
     """Run ``cmd`` under the supervisor; return the supervisor's record plus the log's tail."""
     record_path, log_path = cwd / "supervisor.json", cwd / "launch.log"
     launch_id = new_launch_id(name)
-    env = clean_env(**{LAUNCH_MARKER: launch_id}, **({ROLE_VARIABLE: role} if role else {}))
+    env = clean_env(
+        **{LAUNCH_MARKER: launch_id},
+        **({ROLE_VARIABLE: role} if role else {}),
+        **(extra_env or {}),
+    )
     supervisor_cmd = [
         PYTHON,
         str(HERE / "_supervise.py"),
@@ -320,7 +325,10 @@ def measure_groups(
         str(HERE / "groups_search.py"),
         *("--root", str(folder / "root"), "--trials", str(trials)),
     ]
-    record = supervised(name, cmd, cwd=folder, deadline_s=90 + 15 * trials)
+    # CPU ranks on gloo even where GPUs exist (the launcher would split those among groups).
+    record = supervised(
+        name, cmd, cwd=folder, deadline_s=90 + 15 * trials, extra_env={"CUDA_VISIBLE_DEVICES": ""}
+    )
     recorded = neps_trials(folder / "root")
     succeeded = [
         trial
