@@ -44,7 +44,7 @@ def open_store(address: str) -> tuple[Any, str]:
     wait_timeout = datetime.timedelta(seconds=SETTINGS.wait_timeout_s)
     if address:
         return control_store.connect(address, wait_timeout, SETTINGS.connect_timeout_s), address
-    served = control_store.serve(wait_timeout)
+    served = control_store.serve(wait_timeout, loopback=True)
     return served, f"127.0.0.1:{served.port}"
 
 
