@@ -7,10 +7,12 @@ run by ``neps-bcast launch`` as K groups of N ranks on one root directory.
 Every rank of every group runs this script (torchrun's variables; the Trainer takes its size
 from LOCAL_WORLD_SIZE). Each trial is the same fixed amount of training whatever the layout:
 one epoch over ``SAMPLES`` samples in global batches of ``GLOBAL_BATCH`` (each rank gets
-``GLOBAL_BATCH / N`` of a batch), a fixed-width MLP, CPU, gloo; only the learning rate is
-searched (random search), so no trial costs more than another. The timings are NePS's own
-(``time_started`` / ``time_end`` in each trial's ``metadata.json``); this script records
-nothing itself.
+``GLOBAL_BATCH / N`` of a batch, so every rank takes SAMPLES / GLOBAL_BATCH = 128 steps),
+a fixed-width MLP (8-256-256-1), CPU, gloo; only the learning rate is searched (random
+search), so no trial costs more than another. Sized so that a trial takes seconds, not the
+~0.2 s of a 16-step trial, whose throughput is mostly Lightning's per-fit set-up. The
+timings are NePS's own (``time_started`` / ``time_end`` in each trial's ``metadata.json``);
+this script records nothing itself.
 """
 
 from __future__ import annotations
@@ -27,19 +29,25 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import neps_bcast
 
-SAMPLES = 1024
+SAMPLES = 8192
 GLOBAL_BATCH = 64
-HIDDEN = 32
+HIDDEN = 256
 
 
 class Space(neps.PipelineSpace):
     lr = neps.Float(1e-3, 1e-1, log=True)
 
 
-class Tiny(L.LightningModule):
+class MLP(L.LightningModule):
     def __init__(self, lr: float) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+        self.net = nn.Sequential(
+            nn.Linear(8, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, HIDDEN),
+            nn.ReLU(),
+            nn.Linear(HIDDEN, 1),
+        )
         self.lr = lr
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
@@ -76,7 +84,7 @@ def evaluate_pipeline(lr: float) -> float:
         enable_model_summary=False,
     )
     with neps_bcast.session():
-        trainer.fit(Tiny(lr), loader(SAMPLES, 0, ranks), loader(SAMPLES // 4, 1, ranks))
+        trainer.fit(MLP(lr), loader(SAMPLES, 0, ranks), loader(SAMPLES // 4, 1, ranks))
     return float(trainer.callback_metrics["val_loss"].item())
 
 

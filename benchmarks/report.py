@@ -491,9 +491,9 @@ Definitions:
 - *2 groups x 2 ranks / 1 group x 4 ranks*: `neps-bcast launch --groups K --nproc-per-group N
   benchmarks/groups_search.py` with (K, N) = (2, 2) and (1, 4), the same 4 CPU ranks either way,
   {config.groups_trials} trials (`total_evaluations_to_spend`), {config.groups_runs} run(s) per
-  layout, interleaved. Each trial is Lightning `strategy="ddp"`, one epoch of the same 1024
-  samples in global batches of 64 (16 steps per rank in both layouts), tiny MLP, random
-  search over the learning rate. Trials per minute = NePS's successful trials / (last
+  layout, interleaved. Each trial is Lightning `strategy="ddp"`, one epoch of the same 8192
+  samples in global batches of 64 (128 steps per rank in both layouts), MLP 8-256-256-1,
+  random search over the learning rate. Trials per minute = NePS's successful trials / (last
   `time_end` - first `time_started` in the trials' `metadata.json`), median over completed
   runs; the ratio is 2x2 / 1x4 (higher = two groups search faster). neps_bcast only: NePS's
   built-in mode has no launcher for several groups.
