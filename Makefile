@@ -12,7 +12,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test lint bench bench-full clean install-newest test-newest
+.PHONY: install demo test lint bench bench-full clean install-newest test-newest test-slurm
 
 install: $(STAMP)
 
@@ -29,6 +29,16 @@ demo: install
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
+
+# A real one-node SLURM cluster (slurmctld, slurmd, munge; installed with apt-get when missing,
+# as root), the tests in tests/slurm against it, then the cluster stopped whatever the result.
+SLURM_DIR ?= /tmp/neps_bcast_slurm
+test-slurm: install
+	export NEPS_BCAST_SLURM_DIR=$(SLURM_DIR) SLURM_CONF=$(SLURM_DIR)/slurm.conf; \
+	if bash tests/slurm/cluster.sh start; then \
+		OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider tests/slurm; status=$$?; \
+	else status=1; fi; \
+	bash tests/slurm/cluster.sh stop; exit $$status
 
 lint: install
 	$(PY) -m ruff check src tests examples benchmarks
