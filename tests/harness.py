@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -200,6 +201,19 @@ class Running:
             for name, text in self.rank_logs().items()
         )
 
+    def dump_stacks(self) -> None:
+        """A launch that overran: every rank writes its threads' stacks to its log
+        (faulthandler on SIGUSR1, tests/scripts/probe.py), so a hang shows where it is."""
+        pids = marked_pids(self.marker)
+        for pid in pids:
+            _procfs.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            logs = self.rank_logs().values()
+            if sum(log.count("Current thread") for log in logs) >= len(pids):
+                break
+            time.sleep(0.05)  # bounded wait for the dumps: diagnostics only
+
     def kill_all(self) -> None:
         for pid in [self.proc.pid, *marked_pids(self.marker)]:
             _procfs.kill(pid)
@@ -232,6 +246,7 @@ class Running:
         value = probe()
         if value:
             return value
+        self.dump_stacks()
         self.kill_all()
         self.proc.wait()
         raise AssertionError(f"launch {self.name}: never saw {what}; logs:\n{self.tails()}")
@@ -242,12 +257,13 @@ class Running:
         try:
             self.proc.wait(timeout=max(self.deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
+            self.dump_stacks()
             self.kill_all()
             self.proc.wait()
             self._log.close()
             raise AssertionError(
                 f"launch {self.name} {self.cmd} overran {self.timeout} s; every process"
-                f" killed; logs:\n{self.tails()}"
+                f" killed; logs (each rank's stacks at the end):\n{self.tails(80)}"
             ) from None
         self._log.close()
         seconds = time.monotonic() - self.started

@@ -8,6 +8,7 @@ opens or lists under the NePS root (an audit hook).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -63,6 +64,8 @@ def log_to_own_file() -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # The harness sends SIGUSR1 to a launch that overran: every thread's stack lands here.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def fault(where: str) -> None:
