@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from harness import MARKER, PYTHON, base_env, marked_pids, neps_trials
+from harness import FAKE_SRUN, MARKER, PYTHON, base_env, marked_pids, neps_trials
 from neps_bcast import _procfs, sockets
 
 SCRIPT = Path(__file__).parent / "scripts" / "launch_search.py"
@@ -64,7 +64,7 @@ class Launch:
 
     def tails(self, n: int = 30) -> str:
         parts = [f"--- launcher ---\n{self.output()}"]
-        for path in sorted(self.logs.glob("group*/*.log")):
+        for path in sorted(self.logs.glob("**/group*/*.log")):
             lines = path.read_text(errors="replace").splitlines()[-n:]
             parts.append(f"--- {path.relative_to(self.logs)} ---\n" + "\n".join(lines))
         return "\n".join(parts)
@@ -108,7 +108,14 @@ class Launch:
         return time.monotonic() - start
 
 
-def launch(tmp_path: Path, *args: str, trials: int = 6, **env: str) -> Launch:
+def launch(
+    tmp_path: Path,
+    *args: str,
+    trials: int = 6,
+    groups: int = 2,
+    prefix: tuple[str, ...] = (),
+    **env: str,
+) -> Launch:
     (tmp_path / "rec").mkdir()
     marker = uuid.uuid4().hex
     full_env = base_env(
@@ -119,10 +126,11 @@ def launch(tmp_path: Path, *args: str, trials: int = 6, **env: str) -> Launch:
     )
     full_env[MARKER] = marker
     cmd = [
+        *prefix,
         NEPS_BCAST,
         "launch",
         "--groups",
-        "2",
+        str(groups),
         "--nproc-per-group",
         "2",
         "--log-dir",
@@ -224,6 +232,46 @@ def test_two_groups_share_one_search_while_default_ports_are_taken(tmp_path: Pat
         if line.startswith("group ")
     )
     assert finished == len(recorded), out
+
+
+@pytest.mark.timeout(300)
+def test_one_launcher_per_node_under_srun_share_one_search(tmp_path: Path) -> None:
+    """`srun --ntasks-per-node=1 neps-bcast launch --groups 1 ...` on two nodes, simulated:
+    two SLURM tasks on this host (tests/scripts/fake_srun.py sets SLURM's variables), each
+    a launcher of one group of 2 ranks, on one NePS root and one --log-dir."""
+    run = launch(
+        tmp_path,
+        trials=6,
+        groups=1,
+        prefix=(PYTHON, str(FAKE_SRUN), "--ntasks", "2", "--"),
+    )
+    rc = run.finish()
+    assert rc == 0, run.tails()
+    run.gone_within(15)
+    events = run.events()
+    launches = sorted({e["launch"] for e in events if e["event"] == "start"})
+    assert len(launches) == 2, f"want one launcher per task, got {launches}:\n{run.tails()}"
+    # One group per launcher: the (launcher, group) pair is the DDP group.
+    by_node = [{**e, "group": f"{launches.index(e['launch'])}/{e['group']}"} for e in events]
+    owner = assert_each_trial_in_one_group(by_node)
+    assert set(owner.values()) == {"0/0", "1/0"}, f"a node evaluated nothing: {owner}"
+    recorded = states(run.root)
+    assert len(recorded) >= 6
+    assert set(recorded) == set(owner), (recorded, owner)
+    assert set(recorded.values()) == {"success"}, recorded
+    # The groups are torchrun launches: no rank saw the node's SLURM task variables.
+    starts = [e for e in by_node if e["event"] == "start"]
+    assert {(e["group"], e["rank"]) for e in starts} == {
+        ("0/0", 0),
+        ("0/0", 1),
+        ("1/0", 0),
+        ("1/0", 1),
+    }
+    assert {e["slurm_procid"] for e in starts} == {None}
+    # Each task keeps its own logs under the shared --log-dir.
+    for task in ("task0", "task1"):
+        for rank in ("rank0", "rank1"):
+            assert "attempt 0" in (run.logs / task / "group0" / f"{rank}.log").read_text()
 
 
 @pytest.mark.timeout(300)

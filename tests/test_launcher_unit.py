@@ -263,3 +263,14 @@ def test_log_follower_reads_only_what_was_appended(tmp_path: Path) -> None:
     with path.open("a") as f:
         f.write("b\n")
     assert follower.read_new() == "b\n"
+
+
+def test_each_slurm_task_keeps_its_logs_apart() -> None:
+    logs = Path("logs")
+    assert plan.task_log_dir(logs, {}) == logs
+    assert plan.task_log_dir(logs, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == logs
+    assert plan.task_log_dir(logs, {"SLURM_NTASKS": "4", "SLURM_PROCID": "3"}) == logs / "task3"
+    assert plan.task_log_dir(logs, {"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1"}) == (
+        logs / "task1"
+    )
+    assert plan.task_log_dir(logs, {"SLURM_NTASKS": "2"}) == logs  # not a task of the step

@@ -2,7 +2,8 @@
 
 Every rank of every group runs it under the launcher's torchrun. It appends JSON lines
 to ``$LAUNCH_RECORD_DIR/<pid>.jsonl``: "start", "trial" (inside ``session()``: trial id,
-kwargs, RANK, the group the launcher set in NEPS_BCAST_LAUNCH_GROUP, CUDA_VISIBLE_DEVICES,
+kwargs, RANK, the group the launcher set in NEPS_BCAST_LAUNCH_GROUP and its launch id,
+CUDA_VISIBLE_DEVICES, SLURM_PROCID,
 torchrun's restart count), "training" (first training step), "exit" (exit code).
 Faults come from the environment only:
 
@@ -50,6 +51,7 @@ def record(event: str, **fields: Any) -> None:
         "pid": os.getpid(),
         "rank": int(os.environ.get("RANK", "-1")),
         "group": os.environ.get("NEPS_BCAST_LAUNCH_GROUP"),
+        "launch": os.environ.get("NEPS_BCAST_LAUNCH_ID"),
         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
         **fields,
     }
@@ -149,7 +151,11 @@ def on_exit() -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning").setLevel(logging.WARNING)
-    record("start", cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    record(
+        "start",
+        cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        slurm_procid=os.environ.get("SLURM_PROCID"),
+    )
     atexit.register(on_exit)
     try:
         neps_bcast.run(

@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         default=Path("logs"),
         help="one file per rank: LOG_DIR/group<k>/rank<r>.log, and torchrun's own output in"
-        " LOG_DIR/group<k>/torchrun.log (default: ./logs)",
+        " LOG_DIR/group<k>/torchrun.log (default: ./logs); as task i of several SLURM"
+        " tasks (srun --ntasks-per-node=1), LOG_DIR/task<i>/group<k>/...",
     )
     launch.add_argument(
         "--status-interval",
@@ -88,7 +89,7 @@ def request_from(args: argparse.Namespace) -> plan.LaunchRequest:
         nproc_per_group=args.nproc_per_group,
         devices=plan.parse_devices(args.devices) if args.devices is not None else None,
         max_restarts=args.max_restarts,
-        log_dir=args.log_dir,
+        log_dir=plan.task_log_dir(args.log_dir, os.environ),
     )
 
 

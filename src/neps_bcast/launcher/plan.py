@@ -37,6 +37,20 @@ A group is a torchrun launch, not that task; Lightning checks SLURM before Torch
 so groups must not inherit these (each would take the node's task rank as its own)."""
 
 
+def task_log_dir(log_dir: Path, environ: Mapping[str, str]) -> Path:
+    """``LOG_DIR/task<i>`` for task ``i`` of several SLURM tasks, else ``LOG_DIR``.
+
+    Under ``srun --ntasks-per-node=1 neps-bcast launch --log-dir logs`` every node's
+    launcher gets the same ``--log-dir`` on a shared filesystem: without a folder per
+    task, each would write ``logs/group0/rank0.log`` over the others' (and clear them
+    when a group starts)."""
+    raw = environ.get("SLURM_NTASKS") or environ.get("SLURM_STEP_NUM_TASKS") or "1"
+    procid = environ.get("SLURM_PROCID", "")
+    if raw.isdigit() and int(raw) > 1 and procid.isdigit():
+        return log_dir / f"task{procid}"
+    return log_dir
+
+
 def _fail(what: str, hint: str) -> LaunchError:
     return LaunchError(format_message(TAG, what, hint))
 
