@@ -240,3 +240,28 @@ def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) ->
         NePSState.create_or_load(path=root, load_only=True).lock_and_get_next_pending_trial().id
         == "1"
     )
+
+
+def test_optimizer_lock_is_the_one_neps_takes_on_its_optimizer_state(tmp_path: Path) -> None:
+    """``_neps_compat._optimizer_lock``: the file, poll interval and timeout of NePS's own
+    optimizer lock (the lock NePS holds while it rewrites ``optimizer_state.pkl`` in
+    place), and the state file it guards. If NePS moves either, our loads of its state
+    would again race its writes (tests/test_e2e_shared_root.py)."""
+    from neps.env import STATE_FILELOCK_POLL, STATE_FILELOCK_TIMEOUT
+
+    root = tmp_path / "root"
+    neps.run(
+        lambda lr, hidden: lr,
+        Space(),
+        root_directory=root,
+        total_evaluations_to_spend=1,
+        optimizer="random_search",
+    )
+    state = NePSState.create_or_load(path=root, load_only=True)
+    assert state._optimizer_state_path == root.resolve() / _neps_compat.OPTIMIZER_STATE_FILE
+    lock = state._optimizer_lock
+    assert lock.lock_path == root.resolve() / _neps_compat.OPTIMIZER_LOCK_FILE
+    assert (lock.poll, lock.timeout) == (STATE_FILELOCK_POLL, STATE_FILELOCK_TIMEOUT)
+    with _neps_compat._optimizer_lock(root):  # takes and releases it, as NePS builds it
+        pass
+    assert _neps_compat._loaded_state(root).path == state.path

@@ -101,7 +101,10 @@ def record_crashed(trial_id: str, root_directory: Path, error: BaseException) ->
     from neps.api import save_pipeline_results
 
     exc = error if isinstance(error, Exception) else RuntimeError(str(error))
-    save_pipeline_results({"exception": exc}, trial_id, Path(root_directory))
+    root = Path(root_directory)
+    # It loads NePS's state twice (``NePSState.create_or_load``): see ``_loaded_state``.
+    with _optimizer_lock(root):
+        save_pipeline_results({"exception": exc}, trial_id, root)
 
 
 # -- trial leases (used by neps_bcast.lease) -------------------------------------------
@@ -194,13 +197,56 @@ def locked_trials(root_directory: Path) -> Iterator[TrialBook | None]:
     POSIX locks belong to the process, so a second one would not wait, and closing it
     would release NePS's.
     """
-    from neps.state.neps_state import NePSState
-
     root = Path(root_directory)
-    if not (root / "optimizer_state.pkl").exists():
+    if not (root / OPTIMIZER_STATE_FILE).exists():
         yield None
         return
-    use_neps_locking()
-    state = NePSState.create_or_load(path=root, load_only=True)
+    state = _loaded_state(root)
     with state._trial_lock.lock():
         yield TrialBook(state)
+
+
+OPTIMIZER_STATE_FILE = "optimizer_state.pkl"
+OPTIMIZER_LOCK_FILE = ".optimizer.lock"
+"""NePS's optimizer state in a root, and the lock file NePS takes (``_optimizer_lock``)
+whenever it reads or rewrites it (``neps/state/neps_state.py``)."""
+
+
+@contextmanager
+def _optimizer_lock(root: Path) -> Iterator[None]:
+    """Hold NePS's own lock on ``optimizer_state.pkl``, as NePS builds it (same file,
+    poll interval and timeout: ``NEPS_STATE_FILELOCK_POLL``, ``NEPS_STATE_FILELOCK_TIMEOUT``).
+
+    Same caveat as ``locked_trials``: never from a thread while NePS's worker holds it in
+    this process. NePS takes it before its trial lock, never after, so holding it and
+    then the trial lock cannot deadlock against NePS.
+    """
+    from neps.env import STATE_FILELOCK_POLL, STATE_FILELOCK_TIMEOUT
+    from neps.state.filebased import FileLocker
+
+    use_neps_locking()
+    locker = FileLocker(
+        lock_path=root / OPTIMIZER_LOCK_FILE,
+        poll=STATE_FILELOCK_POLL,
+        timeout=STATE_FILELOCK_TIMEOUT,
+    )
+    with locker.lock():
+        yield
+
+
+def _loaded_state(root: Path) -> Any:
+    """NePS's state of ``root``, loaded while no NePS worker rewrites it.
+
+    ``NePSState.create_or_load`` reads ``optimizer_state.pkl`` without any lock, while
+    every NePS worker rewrites that file in place (``open("wb")``: truncated, then
+    pickled), under NePS's optimizer lock, each time it samples a trial
+    (``_sample_trial``), registers itself (``lock_and_set_new_worker_id``) or sets the
+    run's budgets (``lock_and_update_global_budgets``). A load that lands in between
+    reads an empty or cut-off pickle: ``EOFError: Ran out of input`` (or
+    ``UnpicklingError: pickle data was truncated``). ``neps.run`` survives it only
+    because it retries its own load (automl/neps#161); we load under that same lock.
+    """
+    from neps.state.neps_state import NePSState
+
+    with _optimizer_lock(root):
+        return NePSState.create_or_load(path=root, load_only=True)

@@ -1,0 +1,161 @@
+"""Two NePS workers on one root: our reads of NePS's state never see a half-written file.
+
+Every NePS 0.17 worker rewrites ``<root>/optimizer_state.pkl`` in place (``open("wb")``:
+truncated, then pickled) under NePS's optimizer lock each time it samples a trial, and
+``NePSState.create_or_load`` reads it without any lock. Our orphan check (and the crash
+record) load that state while the other groups' workers sample: unlocked, they read an
+empty pickle ("EOFError: Ran out of input"), which killed a starting leader in
+``test_e2e_launch.py``. Here a real ``neps.run`` is frozen in the middle of that write,
+deterministically (a profile hook stops it when NePS's ``_sample_trial`` calls
+``pickle.dump`` on the file it has just truncated), and the checks run against it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from harness import PYTHON, base_env
+
+NEPS_WORKER = textwrap.dedent(
+    """
+    import json
+    import pickle
+    import sys
+    from pathlib import Path
+
+    import neps
+
+    root = Path(sys.argv[1])
+
+
+    class Space(neps.PipelineSpace):
+        x = neps.Float(0.0, 1.0)
+
+
+    def freeze_mid_write(frame, event, arg):
+        # NePS's _sample_trial has opened optimizer_state.pkl with "wb" (truncated it)
+        # and pickles the new state into it now: stop right here, holding NePS's lock.
+        if event == "c_call" and arg is pickle.dump and frame.f_code.co_name == "_sample_trial":
+            sys.setprofile(None)
+            size = (root / "optimizer_state.pkl").stat().st_size
+            print(json.dumps({"frozen": size}), flush=True)
+            sys.stdin.readline()
+
+
+    armed = []
+
+
+    def evaluate(x):
+        if not armed:  # after the first trial: freeze in the second sample, once
+            armed.append(True)
+            sys.setprofile(freeze_mid_write)
+        return x
+
+
+    neps.run(
+        evaluate,
+        Space(),
+        root_directory=root,
+        total_evaluations_to_spend=3,
+        optimizer="random_search",
+    )
+    print(json.dumps({"done": True}), flush=True)
+    """
+)
+
+CHECK = textwrap.dedent(
+    """
+    import json
+    import sys
+    from pathlib import Path
+
+    from neps_bcast import _neps_compat
+    from neps_bcast.config import Settings
+    from neps_bcast.lease import Leases
+
+    root, what = Path(sys.argv[1]), sys.argv[2]
+    try:
+        if what == "orphans":
+            done = Leases(root, Settings.from_env(), lambda: "check").recover_orphans()
+        else:
+            _neps_compat.record_crashed("1", root, RuntimeError("interrupted"))
+            done = []
+    except Exception as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)[:300]}))
+    else:
+        print(json.dumps({"done": done}))
+    """
+)
+
+
+def check(tmp_path: Path, root: Path, what: str, **env: str) -> dict[str, object]:
+    script = tmp_path / "check.py"
+    script.write_text(CHECK)
+    out = subprocess.run(
+        [PYTHON, str(script), str(root), what],
+        env=base_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def line(stream: IO[str] | None, log: Path) -> dict[str, object]:
+    assert stream is not None
+    text = stream.readline()
+    assert text, f"the NePS worker ended early:\n{log.read_text()[-3000:]}"
+    result: dict[str, object] = json.loads(text)
+    return result
+
+
+@pytest.mark.timeout(180)
+def test_orphan_check_and_crash_record_never_read_neps_state_mid_write(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    worker_script = tmp_path / "neps_worker.py"
+    worker_script.write_text(NEPS_WORKER)
+    log = tmp_path / "neps_worker.log"
+    with log.open("w") as err:
+        worker = subprocess.Popen(
+            [PYTHON, str(worker_script), str(root)],
+            env=base_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    try:
+        # NePS is inside its write: the file on disk is empty, NePS holds its lock.
+        assert line(worker.stdout, log) == {"frozen": 0}
+        # Now: the check waits for NePS's lock (here given up on after 0.5 s) instead
+        # of reading the empty pickle; before the fix, both raised EOFError here.
+        busy = {"NEPS_STATE_FILELOCK_TIMEOUT": "0.5"}
+        for what in ("orphans", "crash_record"):
+            result = check(tmp_path, root, what, **busy)
+            assert result.get("error") == "LockException", (what, result)
+            assert "optimizer.lock" in str(result["message"]), (what, result)
+        assert worker.stdin is not None
+        worker.stdin.write("\n")
+        worker.stdin.flush()
+        assert line(worker.stdout, log) == {"done": True}
+        assert worker.wait(timeout=120) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    # NePS finished its write and its run: the same check loads the state and finds
+    # nothing to recover; trial 1 was recorded by NePS, untouched by the failed attempt.
+    assert check(tmp_path, root, "orphans") == {"done": []}
+    from neps.state.neps_state import NePSState
+
+    trials = NePSState.create_or_load(path=root, load_only=True).lock_and_read_trials()
+    assert {t.metadata.state.value for t in trials.values()} == {"success"}
+    assert len(trials) == 3
