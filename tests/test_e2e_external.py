@@ -150,7 +150,7 @@ def test_two_groups_start_together_on_one_root(tmp_path: Path) -> None:
     meet = tmp_path / "meet"
     meet.mkdir()
     with lock_path.open("ab") as held:
-        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        fcntl.lockf(held.fileno(), fcntl.LOCK_EX)  # the kind NePS (and the guard) use
         running = []
         for name, other, seed in (("a", "b", "1"), ("b", "a", "2")):
             scenario = Scenario(
@@ -167,7 +167,7 @@ def test_two_groups_start_together_on_one_root(tmp_path: Path) -> None:
             )
         for r in running:
             r.wait_for_log(f"[neps_bcast rank 0/2 leader] {waiting} {root}")
-        fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+        fcntl.lockf(held.fileno(), fcntl.LOCK_UN)
     results = [r.finish() for r in running]
     ids: list[str] = []
     for r in results:

@@ -265,3 +265,21 @@ def test_optimizer_lock_is_the_one_neps_takes_on_its_optimizer_state(tmp_path: P
     with _neps_compat._optimizer_lock(root):  # takes and releases it, as NePS builds it
         pass
     assert _neps_compat._loaded_state(root).path == state.path
+
+
+def test_lock_kind_is_what_neps_run_locks_with() -> None:
+    """neps.run replaces portalocker's flock with NEPS_LINUX_FILELOCK_FUNCTION (lockf by
+    default); the root lock must be that kind, or it would not exclude NePS-style locks."""
+    import fcntl
+
+    import portalocker.portalocker as portalocker_lock_module
+    from neps.env import LINUX_FILELOCK_FUNCTION
+
+    assert LINUX_FILELOCK_FUNCTION == "lockf"
+    assert _neps_compat.lock_kind() == "lockf"
+    saved = portalocker_lock_module.LOCKER
+    try:
+        _neps_compat.use_neps_locking()
+        assert portalocker_lock_module.LOCKER is fcntl.lockf
+    finally:
+        portalocker_lock_module.LOCKER = saved

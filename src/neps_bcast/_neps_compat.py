@@ -175,6 +175,16 @@ class TrialBook:
         self._state._report_trial_evaluation(trial, report, worker_id=worker_id)
 
 
+def lock_kind() -> str:
+    """``"lockf"`` or ``"flock"``: what NePS locks its files with once ``neps.run`` runs
+    (``NEPS_LINUX_FILELOCK_FUNCTION``, default ``lockf``, the kind that works on NFS and
+    Lustre; portalocker's own default, ``flock``, is replaced by neps.run)."""
+    from neps.env import LINUX_FILELOCK_FUNCTION
+
+    name = LINUX_FILELOCK_FUNCTION.lower()
+    return name if name in ("flock", "lockf") else "lockf"
+
+
 def use_neps_locking() -> None:
     """Lock NePS's files with the function NePS itself uses (``lockf`` by default,
     ``NEPS_LINUX_FILELOCK_FUNCTION``): ``neps.run`` sets it only when it starts, and a

@@ -19,9 +19,11 @@ classic space (same parameters, categorical choices in any order) it lets NePS l
 that space from disk (``pipeline_space=None``, NePS's documented way to continue a run)
 instead of comparing pickles. A space that really differs is passed on unchanged, and
 NePS's own error explains it. Only neps_bcast leaders take this lock: start every worker
-with ``neps_bcast.run``. The lock is ``flock``, the kind NePS 0.17 itself takes on its
-state (through ``portalocker``), so it works wherever NePS's own locking works; the
-lock file is created owner-only (0600) and opened read-only.
+with ``neps_bcast.run``. The lock is the kind NePS itself locks its state with
+(``_neps_compat.lock_kind``: ``lockf`` unless ``NEPS_LINUX_FILELOCK_FUNCTION`` says
+``flock``), so it works wherever NePS's own locking works (NFS, Lustre); the lock file is
+created owner-only (0600), opened for writing only because ``lockf`` needs it (read-only
+with ``flock``).
 """
 
 from __future__ import annotations
@@ -46,21 +48,23 @@ class RootGuard:
         self.tag = tag
         self.timeout_s = timeout_s
         self._file: IO[bytes] | None = None
+        self._kind = "lockf"
 
     def acquire(self) -> None:
         timeout = self.timeout_s
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        # Owner-only, and opened without write: flock needs neither (NePS's own locks,
-        # through portalocker, are flock too, so this works wherever NePS does).
-        fd = os.open(self.lock_path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        handle = os.fdopen(fd, "rb")
+        # Owner-only; an exclusive lockf needs a descriptor open for writing, flock does not.
+        self._kind = _neps_compat.lock_kind()
+        mode = os.O_RDWR if self._kind == "lockf" else os.O_RDONLY
+        fd = os.open(self.lock_path, mode | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        handle = os.fdopen(fd, "r+b" if self._kind == "lockf" else "rb")
         deadline = time.monotonic() + timeout
         waited = False
         while True:
             try:
-                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except (BlockingIOError, PermissionError):  # lockf: EAGAIN or EACCES
                 if time.monotonic() > deadline:
                     handle.close()
                     raise LaunchError(
@@ -84,10 +88,16 @@ class RootGuard:
                 time.sleep(0.05)  # startup only: bounded wait for another worker's lock
         self._file = handle
 
+    def _lock(self, handle: IO[bytes], flags: int) -> None:
+        if self._kind == "lockf":
+            fcntl.lockf(handle.fileno(), flags)
+        else:
+            fcntl.flock(handle.fileno(), flags)
+
     def release(self) -> None:
         if self._file is not None:
             try:
-                fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+                self._lock(self._file, fcntl.LOCK_UN)
             finally:
                 self._file.close()
                 self._file = None
