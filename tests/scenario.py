@@ -32,6 +32,7 @@ Where = Literal[
     "after",  # end of the session block
     "sample",  # the leader's NePS samples its next trial; seq = trials done so far
     "record",  # the leader's NePS records a trial's result; seq = that trial
+    "reform",  # right after torch formed the group again for trial seq (init_process_group)
 ]
 Strategy = Literal[
     "ddp",  # Lightning Trainer(strategy="ddp")

@@ -223,6 +223,49 @@ def test_follower_killed_is_recorded_and_the_search_resumes(tmp_path: Path) -> N
     ]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_group_that_cannot_be_formed_again_fails_its_trial_on_every_rank(
+    tmp_path: Path, rank: int
+) -> None:
+    """Lightning ddp, 2 ranks. Trial 2 fails, so the group is formed again for trial 3; on
+    ``rank`` that raises right after torch formed it (as a connection lost late in the
+    rendezvous does: seen in CI when a peer released the new group at once). Trial 3
+    fails on every rank naming that error; trial 4 runs on a group formed once more.
+    (Before: on the leader, NePS recorded the error while the follower evaluated the
+    trial on its own, and the next trial's broadcast met the follower's report: both
+    waited for ever. On a follower, it left the search.)"""
+    result = run(
+        Scenario(
+            trials=4,
+            ignore_errors=True,
+            faults=(
+                Fault("raise", rank=1, seq=2, where="fit"),
+                Fault("raise", rank=rank, seq=3, where="reform"),
+            ),
+        ),
+        tmp_path,
+    )
+    assert_clean_launch(result)
+    recorded = reports(result.root)
+    assert sorted(recorded) == [1, 2, 3, 4], result.tail()
+    assert recorded[1][:2] == ("success", "success")
+    assert recorded[2][:2] == ("crashed", "crashed")
+    assert recorded[3][:2] == ("crashed", "crashed")
+    assert recorded[4][:2] == ("success", "success"), result.tail()
+    assert (
+        f"trial 3 failed on rank {rank}: rank {rank}: ValueError: injected failure on"
+        f" rank {rank} at reform"
+    ) in recorded[3][2], recorded[3][2]
+    [fired] = [f for f in faults(result.events) if f["where"] == "reform"]
+    assert (fired["rank"], fired["seq"]) == (rank, 3)
+    # Every rank ended trial 3 with that error and evaluated trial 4.
+    by_rank = trials_by_rank(result.events)
+    assert {r: [tid for tid, _ in trials] for r, trials in by_rank.items()} == {
+        0: ["1", "2", "4"],
+        1: ["1", "2", "4"],
+    }, result.tail()
+
+
 @pytest.mark.parametrize(
     "when", ["fit", "between_trials", "children_starting", "children_in_rendezvous"]
 )

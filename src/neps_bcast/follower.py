@@ -19,7 +19,6 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
     """
     message: TrialMessage | StopMessage = first if first is not None else rt.receive()
     while isinstance(message, TrialMessage):
-        rt.reform_group()
         rt.log(logging.INFO, "trial %s (#%d) received", message.trial_id, message.seq)
         outcome = evaluate_once(rt, fn, message)
         if outcome.failures:

@@ -104,7 +104,6 @@ def _hand_and_evaluate(
     )
     try:
         rt.send(message)
-        rt.reform_group()  # after the send: followers re-form once they hold the trial
     except FollowerLostError as exc:
         _abort(rt, info, root_directory, leases, exc)
     rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)

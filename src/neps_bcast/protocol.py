@@ -185,8 +185,10 @@ class Outcome:
 def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) -> Outcome:
     """Evaluate one trial on this rank and end it together with every other rank.
 
-    An ``Exception`` of the function becomes part of the ``Outcome`` (every rank learns
-    it); a ``BaseException`` (Ctrl-C, SIGTERM, ``sys.exit``) is reported, then re-raised.
+    The DDP group is formed again first when a failure (or user code) ended it; an
+    ``Exception`` there or in the function becomes part of the ``Outcome`` (every rank
+    learns it); a ``BaseException`` (Ctrl-C, SIGTERM, ``sys.exit``) is reported, then
+    re-raised.
     """
     run = TrialRun(rt, message)
     rt.current = run
@@ -194,6 +196,12 @@ def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) ->
         result: Any = None
         error: Exception | None = None
         try:
+            # Part of the trial: once the followers hold it, nothing may end it on one
+            # rank only. (Re-forming raised on the leader after the send in CI: a
+            # follower that raised before its session had released the new group at
+            # once. NePS recorded the error, the follower waited in its trial end, and
+            # the next trial's broadcast met that wait: both hung for ever.)
+            rt.reform_group()
             result = fn(**message.kwargs)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc

@@ -97,6 +97,31 @@ def fault(where: str) -> None:
             record("slept", where=where, seq=SEQ["n"], rank=my_rank())
 
 
+def observe_reform() -> None:
+    """Hook torch's ``init_process_group`` (pass-through): a "reform" fault fires right
+    after the group for the next trial was formed, as a connection lost late in that
+    rendezvous would make it raise on one rank only."""
+    import torch.distributed as dist
+
+    real_init = dist.init_process_group
+    fired = []
+
+    def init(*args: Any, **kwargs: Any) -> None:
+        real_init(*args, **kwargs)
+        if fired:
+            return  # once: a rank whose re-forming failed did not start that trial
+        SEQ["n"] += 1  # the trial this group is formed for
+        try:
+            fault("reform")
+        except BaseException:
+            fired.append(SEQ["n"])
+            raise
+        finally:
+            SEQ["n"] -= 1
+
+    dist.init_process_group = init
+
+
 def observe_neps() -> None:
     """Count calls into NePS and hook the points faults can fire at (pass-through)."""
     import neps

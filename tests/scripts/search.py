@@ -136,6 +136,7 @@ def main() -> None:
     )
     logging.getLogger("lightning").setLevel(logging.WARNING)
     probe.observe_neps()
+    probe.observe_reform()
     space = {"fidelity": WithFidelity, "unpicklable": WithTool}.get(SCENARIO.space, Basic)()
     fn = with_dirs if SCENARIO.extra_args or SCENARIO.space == "fidelity" else evaluate
     root = SCENARIO.root or "results"
