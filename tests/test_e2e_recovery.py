@@ -264,3 +264,91 @@ def test_two_workers_one_killed_the_other_takes_over_after_the_grace(tmp_path: P
     assert "no heartbeat from its leader" in history.attempts[0].how
     assert "(grace 4 s)" in history.attempts[0].how
     assert done.log.count(f"orphaned trial {orphan} ") == 1
+
+
+@pytest.mark.parametrize("killed_seq", [2, 4], ids=["in_rung_0", "the_promotion"])
+def test_leader_killed_in_a_hyperband_bracket_the_bracket_still_promotes(
+    tmp_path: Path, killed_seq: int
+) -> None:
+    """NePS's hyperband (eta=3, fidelity epochs 1..3: rung 0 at 1 epoch, rung 1 at 3),
+    Lightning ddp, 2 ranks, 5 trials: 1_rung_0, 2_rung_0, 3_rung_0, then the best of
+    those three promoted to rung 1 (the same config, continued from its checkpoint),
+    then 4_rung_1. SIGKILL on the leader in its ``killed_seq``-th trial: 2 = 2_rung_0,
+    inside the bracket's rung 0 (an ``evaluating`` trial there counts as pending for
+    NePS's brackets: had it stayed so, bracket 0 would never promote and NePS would
+    only go on sampling other brackets); 4 = the promoted trial itself. The same command
+    again (short lease grace and heartbeat, as a rerun on another host would need; here
+    the owner is on this host, so its gone pid decides): the orphan is evaluated first,
+    same trial id, same config and directories, on both ranks; the root ends with
+    exactly 5 successes, nothing ``evaluating``; and bracket 0's best config was
+    promoted (NePS's previous_trial_id and location) and trained from its checkpoint."""
+    env = {"NEPS_BCAST_LEASE_GRACE_S": "4", "NEPS_BCAST_HEARTBEAT_S": "0.5"}
+    root = tmp_path / "root"
+    scenario = Scenario(trials=5, optimizer="hyperband", space="fidelity", root=str(root))
+    kill = replace(scenario, faults=(Fault("kill", rank=0, seq=killed_seq),))
+    first = run(kill, tmp_path, name="first", cmd=python_cmd(), env=env)
+    assert not first.left_alive, first.tail()
+    assert first.gone_at - fault_time(first) < BOUND_S
+    led = [e["trial_id"] for e in sorted(first.of("trial"), key=lambda e: e["t"]) if e["rank"] == 0]
+    assert len(led) == killed_seq, first.tail()
+    orphan = led[-1]
+    if killed_seq == 2:
+        assert orphan == "2_rung_0", led
+    else:  # the promotion of one of 1..3_rung_0, continued from its checkpoint
+        assert orphan.endswith("_rung_1") and led[:3] == ["1_rung_0", "2_rung_0", "3_rung_0"]
+    done_before = {tid: "success" for tid in led[:-1]}
+    assert states(root) == {**done_before, orphan: "evaluating"}, first.tail()
+    before = evaluated(first, orphan)
+    assert before, first.tail()
+    if killed_seq == 4:
+        assert before[0]["previous_pipeline_directory"], before
+
+    again = run(scenario, tmp_path, name="again", cmd=python_cmd(), env=env)
+    assert_clean_launch(again)
+    # Exactly the asked budget, every trial finished, nothing left evaluating.
+    final = states(root)
+    assert final == dict.fromkeys(final, "success"), again.tail()
+    assert len(final) == 5, final
+    assert f"orphaned trial {orphan} (its leader (pid" in again.log
+    # The orphan is the rerun's first trial, on both ranks, with the same arguments.
+    rerun_led = [
+        e["trial_id"] for e in sorted(again.of("trial"), key=lambda e: e["t"]) if e["rank"] == 0
+    ]
+    assert rerun_led[0] == orphan, rerun_led
+    assert rerun_led.count(orphan) == 1, rerun_led
+    after = evaluated(again, orphan)
+    assert sorted(e["rank"] for e in after) == [0, 1]
+    for e in after:
+        assert e["kwargs"] == before[0]["kwargs"]
+    lease = read_lease(root / "configs" / f"config_{orphan}")
+    assert lease is not None
+    assert len(lease.attempts) == 1
+    assert "is gone" in lease.attempts[0].how
+
+    # The bracket promoted: its best rung-0 config went on to rung 1, as NePS records.
+    trials = neps_trials(root)
+    rung0 = {tid: trials[tid] for tid in ("1_rung_0", "2_rung_0", "3_rung_0")}
+    best = min(rung0, key=lambda tid: rung0[tid].report.objective_to_minimize)
+    promoted_id = best.replace("_rung_0", "_rung_1")
+    promotions = {tid: t for tid, t in trials.items() if t.metadata.previous_trial_id}
+    assert set(promotions) == {promoted_id}, {
+        tid: (t.metadata.previous_trial_id, t.report.objective_to_minimize)
+        for tid, t in trials.items()
+    }
+    promoted = trials[promoted_id]
+    base = trials[best]
+    assert promoted.metadata.previous_trial_id == best
+    assert Path(promoted.metadata.previous_trial_location) == Path(base.metadata.location)
+    assert promoted.config == {**base.config, "epochs": 3}
+    assert base.config["epochs"] == 1
+    if killed_seq == 4:
+        assert orphan == promoted_id
+    # Both ranks of the rerun trained the promotion from the base's checkpoint.
+    completed = evaluated(again, promoted_id)
+    assert sorted(e["rank"] for e in completed) == [0, 1]
+    for e in completed:
+        assert Path(e["previous_pipeline_directory"]) == Path(base.metadata.location)
+        assert e["ckpt_exists"], e
+    assert "Restored all states from the checkpoint" in again.log
+    # After the promotion, hyperband's next bracket (rung 1 only) took the last trial.
+    assert rerun_led[-1] == "4_rung_1", rerun_led
