@@ -6,6 +6,7 @@ import pickle
 import random
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,36 @@ def test_trial_message_without_directories_round_trips() -> None:
         seq=1, trial_id="1", kwargs={}, pipeline_directory=None, previous_pipeline_directory=None
     )
     assert _roundtrip(message) == message
+
+
+def test_trial_message_carries_the_group_generation_to_form() -> None:
+    message = TrialMessage(
+        seq=4,
+        trial_id="4",
+        kwargs={},
+        pipeline_directory=None,
+        previous_pipeline_directory=None,
+        group_generation=3,
+    )
+    assert _roundtrip(message) == message
+    assert _roundtrip(replace(message, group_generation=None)).group_generation is None
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", True, 1.5])
+def test_a_bad_group_generation_is_refused(bad: object) -> None:
+    payload = encode(
+        TrialMessage(
+            seq=1,
+            trial_id="1",
+            kwargs={},
+            pipeline_directory=None,
+            previous_pipeline_directory=None,
+            group_generation=bad,  # type: ignore[arg-type]  # what a broken peer could send
+        ),
+        tag=TAG,
+    )
+    with pytest.raises(MessageError, match="group generation"):
+        decode(payload, tag=TAG)
 
 
 def test_stop_message_round_trip() -> None:

@@ -43,3 +43,33 @@ def test_peer_closed_texts_are_recognized_and_others_are_not() -> None:
     for marker in tc.PEER_CLOSED_MARKERS:
         assert tc.is_peer_closed(RuntimeError(f"[pair.cc:553] {marker} [127.0.0.1]:1"))
     assert not tc.is_peer_closed(ValueError("injected failure"))
+
+
+def test_a_failed_init_leaves_the_group_counter_up_and_reset_puts_it_back() -> None:
+    """c10d names the default group by a counter that only destroy_process_group() resets:
+    after a failed init there is nothing to destroy, and the next group would take
+    another name (another store prefix) than its peers'."""
+    from torch.distributed import distributed_c10d as c10d
+
+    tc.reset_group_names()
+    assert c10d._world.group_count == 0
+    try:
+        dist.init_process_group(
+            "gloo",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=2,  # rank 1 never comes: the rendezvous fails
+            timeout=datetime.timedelta(seconds=0.5),
+        )
+    except (RuntimeError, dist.DistError):
+        pass
+    assert not dist.is_initialized()
+    assert c10d._world.group_count == 1  # the failed init took name "0"
+    tc.reset_group_names()
+    assert c10d._world.group_count == 0
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert c10d._world.group_count == 1
+    finally:
+        dist.destroy_process_group()
+    assert c10d._world.group_count == 0  # what reset_group_names does

@@ -29,6 +29,7 @@ __all__ = [
     "gloo_broadcast",
     "is_peer_closed",
     "new_gloo_group",
+    "reset_group_names",
     "set_bytes",
 ]
 
@@ -81,6 +82,18 @@ def close_gloo_group(pg: dist.ProcessGroupGloo) -> None:
             abort()
         except RuntimeError:
             pass
+
+
+def reset_group_names() -> None:
+    """Name the next default group "0" again, as ``destroy_process_group()`` does.
+
+    Every ``init_process_group`` takes the next number of c10d's group counter as the
+    group's name, and its store keys live under that name. A failed init leaves the
+    counter one up with no group to destroy, while the peers whose init worked count
+    from 0 again after destroying theirs: the next group would meet under another prefix
+    on this rank and wait for ever (seen after a "connectFullMesh failed" in CI).
+    """
+    dist.distributed_c10d._world.group_count = 0
 
 
 def abort_nccl() -> None:

@@ -140,17 +140,30 @@ class UserGroup:
     def needs_reform(self) -> bool:
         return (self.world_size or 0) > 1 and (self.broken or not self.exists())
 
-    def reform(self, store: _torch_compat.Store) -> None:
-        """Form the group again before a trial, when a failure (or user code) ended it.
+    def next_generation(self) -> int | None:
+        """Leader, before handing a trial: the generation to form it as, if it must be."""
+        return self.generation + 1 if self.needs_reform() else None
 
-        Uses the leader's store under a fresh prefix, so no stale rendezvous keys of an
-        earlier group can be read; Lightning then finds the group and reuses it.
+    def reform(self, store: _torch_compat.Store, generation: int) -> None:
+        """Form the group again, as the leader said, before a trial.
+
+        Uses the leader's store under the generation's own prefix, so no stale
+        rendezvous keys of an earlier group can be read; Lightning then finds the group
+        and reuses it. Every rank forms the generation the leader chose, whatever its
+        own view of the group, so they always meet under the same prefix.
         """
-        if not self.needs_reform() or self.world_size is None:
-            return
+        if self.world_size is None:
+            raise ProtocolError(
+                format_message(
+                    self._tag(),
+                    "asked to form the DDP group again before its size is known.",
+                    "this is a bug in neps_bcast; please report it with every rank's log.",
+                )
+            )
         if self.exists():
             dist.destroy_process_group()
-        self.generation += 1
+        _torch_compat.reset_group_names()  # a failed init left it one up
+        self.generation = generation
         backend = self.backend or "gloo"
         _log.log(
             logging.INFO,

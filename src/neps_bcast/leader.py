@@ -101,6 +101,7 @@ def _hand_and_evaluate(
         kwargs=dict(kwargs),
         pipeline_directory=info.pipeline_directory,
         previous_pipeline_directory=info.previous_pipeline_directory,
+        group_generation=rt.next_generation(),
     )
     try:
         rt.send(message)

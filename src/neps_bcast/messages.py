@@ -27,6 +27,7 @@ from neps_bcast.errors import MessageError, format_message
 class Phase(str, Enum):
     """The point of a trial at which a ``Report`` is exchanged."""
 
+    GROUP_FORMED = "group-formed"
     SESSION_ENTER = "session-enter"
     TRIAL_END = "trial-end"
 
@@ -38,6 +39,9 @@ class TrialMessage:
     kwargs: dict[str, Any]
     pipeline_directory: Path | None
     previous_pipeline_directory: Path | None
+    group_generation: int | None = None
+    """Every rank forms the DDP group again, as this generation, before the trial (the
+    leader decides: a failure or user code ended it); None: keep the group as it is."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ def encode(message: Message, *, tag: str) -> bytes:
         "trial_id": message.trial_id,
         "pipeline_directory": _path_text(message.pipeline_directory),
         "previous_pipeline_directory": _path_text(message.previous_pipeline_directory),
+        "group_generation": message.group_generation,
     }
     return _frame(_TRIAL, header, _pickle_arguments(message, tag))
 
@@ -171,6 +176,7 @@ def decode(payload: bytes, *, tag: str) -> Message:
             kwargs=kwargs,
             pipeline_directory=_path(header.get("pipeline_directory")),
             previous_pipeline_directory=_path(header.get("previous_pipeline_directory")),
+            group_generation=_generation(header.get("group_generation")),
         )
     except MessageError:
         raise
@@ -182,6 +188,14 @@ def decode(payload: bytes, *, tag: str) -> Message:
                 "every rank must run the same neps_bcast version.",
             )
         ) from exc
+
+
+def _generation(raw: object) -> int | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+        raise ValueError("a group generation must be a positive integer")
+    return raw
 
 
 def _path_text(path: Path | None) -> str | None:

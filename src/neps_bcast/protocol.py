@@ -60,16 +60,30 @@ class TrialRun:
         m = self.message
         return Report(self.rt.group_rank, phase, m.seq, m.trial_id, self.mine)
 
+    # -- the group ---------------------------------------------------------------
+    def form_group(self, generation: int) -> None:
+        """Form the DDP group again (the leader said so), then meet the other ranks.
+
+        No rank runs the function (which may fail and release the group) before every
+        rank has formed it: a rank still inside torch's rendezvous when a peer shut the
+        new group's connections failed there (seen in CI). A rank whose forming raised
+        ends the trial instead of meeting; the others learn it here.
+        """
+        self.rt.reform_group(generation)
+        reports = self.rt.exchange(self._report(Phase.GROUP_FORMED))
+        if reports is not None:
+            self._check_meeting(reports, Phase.GROUP_FORMED)
+
     # -- session entry ---------------------------------------------------------
     def enter_session(self) -> None:
         """Meet the other ranks at ``session()``; raises if they are not all here."""
         reports = self.rt.exchange(self._report(Phase.SESSION_ENTER))
         if reports is not None:
-            self._check_entry(reports)
+            self._check_meeting(reports, Phase.SESSION_ENTER)
         self.rt.observe_group()
         self.in_session = True
 
-    def _check_entry(self, reports: list[Report]) -> None:
+    def _check_meeting(self, reports: list[Report], phase: Phase) -> None:
         if any(r.phase == Phase.TRIAL_END for r in reports):
             # A peer already finished this trial (it failed before its session, or it
             # uses none): this exchange was its trial end, and it is ours too.
@@ -78,7 +92,7 @@ class TrialRun:
             if records:
                 raise TrialFailedError(self._failed_text(records), failures=records)
             raise ProtocolError(self._mismatch(reports).message)
-        if any(r.phase != Phase.SESSION_ENTER for r in reports):
+        if any(r.phase != phase for r in reports):
             raise ProtocolError(self._mismatch(reports).message)
         if len({(r.seq, r.trial_id) for r in reports}) > 1:
             each = ", ".join(f"rank {r.group_rank}: trial {r.trial_id}" for r in reports)
@@ -201,7 +215,8 @@ def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) ->
             # follower that raised before its session had released the new group at
             # once. NePS recorded the error, the follower waited in its trial end, and
             # the next trial's broadcast met that wait: both hung for ever.)
-            rt.reform_group()
+            if message.group_generation is not None:
+                run.form_group(message.group_generation)
             result = fn(**message.kwargs)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc

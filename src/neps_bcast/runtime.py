@@ -111,9 +111,13 @@ class Runtime:
 
         self.group.release(connections, exc)
 
-    def reform_group(self) -> None:
-        if self.link.store is not None and self.group.needs_reform():
-            self.group.reform(self.link.store)
+    def next_generation(self) -> int | None:
+        """Leader: the generation the next trial forms the group as (None: keep it)."""
+        return self.group.next_generation() if self.link.store is not None else None
+
+    def reform_group(self, generation: int) -> None:
+        assert self.link.store is not None
+        self.group.reform(self.link.store, generation)
 
     # -- messages --------------------------------------------------------------
     def ensure_channel(self) -> bool:

@@ -98,24 +98,38 @@ def fault(where: str) -> None:
 
 
 def observe_reform() -> None:
-    """Hook torch's ``init_process_group`` (pass-through): a "reform" fault fires right
-    after the group for the next trial was formed, as a connection lost late in that
-    rendezvous would make it raise on one rank only."""
+    """Hook torch's ``init_process_group``: a "reform" fault makes forming the group for
+    trial ``seq`` fail on one rank after its peers' forming worked, leaving torch as a
+    real failure does (seen in CI: "Gloo connectFullMesh failed ... Connection closed by
+    peer" on the leader, its follower having released the new group at once): no
+    group, and c10d's group counter one up."""
+    import datetime
+
     import torch.distributed as dist
 
     real_init = dist.init_process_group
     fired = []
 
     def init(*args: Any, **kwargs: Any) -> None:
-        real_init(*args, **kwargs)
-        if fired:
-            return  # once: a rank whose re-forming failed did not start that trial
+        real_init(*args, **kwargs)  # the peers' rendezvous completes
+        matches = [f for f in SCENARIO.faults if f.where == "reform" and f.rank == my_rank()]
+        if fired or not any(f.seq == SEQ["n"] + 1 for f in matches):
+            return  # once: a rank whose forming failed did not start that trial
+        fired.append(SEQ["n"] + 1)
+        dist.destroy_process_group()
+        try:  # a rendezvous nobody else joins: fails as torch fails, counter and all
+            real_init(
+                "gloo",
+                store=dist.HashStore(),
+                rank=0,
+                world_size=2,
+                timeout=datetime.timedelta(seconds=0.5),
+            )
+        except Exception:
+            pass
         SEQ["n"] += 1  # the trial this group is formed for
         try:
             fault("reform")
-        except BaseException:
-            fired.append(SEQ["n"])
-            raise
         finally:
             SEQ["n"] -= 1
 
