@@ -64,7 +64,17 @@ def log_to_own_file() -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    # The harness sends SIGUSR1 to a launch that overran: every thread's stack lands here.
+    arm_stack_dump()
+
+
+def arm_stack_dump() -> None:
+    """SIGUSR1 writes every thread's stack to this log (the harness sends it to a launch
+    that overran). Armed again around every trial: Lightning's fit saves every signal's
+    Python-level handler and restores them at its end, which resets faulthandler's
+    C-level one to the default (measured: no dump after a fit, the process just died),
+    while faulthandler still counts it registered (so ``register`` alone would not
+    install it again)."""
+    faulthandler.unregister(signal.SIGUSR1)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 

@@ -29,6 +29,7 @@ import neps_bcast
 
 def evaluate(**kwargs: Any) -> float:
     SEQ["n"] += 1
+    probe.arm_stack_dump()
     try:
         if SCENARIO.chdir_into:
             os.chdir(tempfile.mkdtemp(prefix=f"trial{SEQ['n']}_", dir=SCENARIO.chdir_into))
@@ -40,6 +41,8 @@ def evaluate(**kwargs: Any) -> float:
         # TrialFailedError naming it).
         record("raised", seq=SEQ["n"], rank=my_rank(), type=type(exc).__name__, text=str(exc))
         raise
+    finally:
+        probe.arm_stack_dump()
 
 
 def in_session(kwargs: dict[str, Any]) -> float:
