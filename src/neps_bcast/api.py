@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import gc
 import importlib
+import io
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 
 from neps_bcast import _lightning_compat, _neps_compat, external, leader
 from neps_bcast.auth import Signer, new_secret, secret_from_env
 from neps_bcast.config import INTERNAL, Settings
-from neps_bcast.errors import NepsBcastError, format_message
+from neps_bcast.errors import LeaderLostError, NepsBcastError, format_message
 from neps_bcast.follower import follow
 from neps_bcast.launch import Launch, detect
 from neps_bcast.lease import Leases
@@ -80,8 +83,51 @@ def _follow(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) -> None
     try:
         with sigterm_raises():
             follow(rt, fn, rt.first_contact() if first_contact else None)
+    except LeaderLostError:
+        _exit_without_collecting()
+        raise
     finally:
         rt.link.release_watch()
+
+
+def _exit_without_collecting() -> None:
+    """A follower that lost its leader: its interpreter's exit skips the cyclic garbage
+    collection of everything it imported (``_freeze_at_exit``).
+
+    Why: whoever waits for this process (torchrun, srun, a scheduler, the launch's
+    last process; Lightning's observer died with the leader) waits for it to be gone,
+    and that collection frees every object torch, Lightning and NePS made (about
+    470,000, in 4,700 modules): measured on 2 busy cores (load 10), 2.5 to 7 s between
+    the follower's last line of Python and the end of its process; 0.5 to 0.7 s with
+    it skipped. Registered here, not where the loss was seen: a follower whose own code
+    catches the error and goes on is not affected until it exits.
+    """
+    atexit.unregister(_freeze_at_exit)  # once, however many times a leader was lost
+    atexit.register(_freeze_at_exit)
+
+
+def _freeze_at_exit() -> None:
+    """Flush every open file, then freeze every object out of the garbage collector.
+
+    Runs as the first atexit handler (the last registered): every other handler runs
+    after it as usual (logging's shutdown flushes and closes its handlers), so do the
+    flush of stdout and stderr and the exit code. What changes: objects left in
+    reference cycles at exit are not finalized (Python never promises that), and those
+    include the globals of any module defining a function, ``__main__`` among them. So
+    the one thing that finalization would have saved, the buffered data of a file the
+    user's code never closed, is flushed here. Nothing is read from an object but its
+    type before it is known to be a file (some module proxies warn on any access).
+    """
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _FILES):
+            stream = cast(io.IOBase, obj)
+            with contextlib.suppress(Exception):  # closed, detached, a reader gone
+                if not stream.closed and stream.writable():
+                    stream.flush()
+    gc.freeze()
+
+
+_FILES = (io.BufferedIOBase, io.TextIOBase, io.RawIOBase)
 
 
 def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[str, Any]) -> None:
