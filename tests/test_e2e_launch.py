@@ -239,11 +239,14 @@ def test_one_launcher_per_node_under_srun_share_one_search(tmp_path: Path) -> No
     """`srun --ntasks-per-node=1 neps-bcast launch --groups 1 ...` on two nodes, simulated:
     two SLURM tasks on this host (tests/scripts/fake_srun.py sets SLURM's variables), each
     a launcher of one group of 2 ranks, on one NePS root and one --log-dir."""
+    meet = tmp_path / "meet"
+    meet.mkdir()
     run = launch(
         tmp_path,
         trials=6,
         groups=1,
         prefix=(PYTHON, str(FAKE_SRUN), "--ntasks", "2", "--"),
+        LAUNCH_MEET=f"{meet},2",  # both nodes in their first trial before either goes on
     )
     rc = run.finish()
     assert rc == 0, run.tails()
@@ -255,6 +258,7 @@ def test_one_launcher_per_node_under_srun_share_one_search(tmp_path: Path) -> No
     by_node = [{**e, "group": f"{launches.index(e['launch'])}/{e['group']}"} for e in events]
     owner = assert_each_trial_in_one_group(by_node)
     assert set(owner.values()) == {"0/0", "1/0"}, f"a node evaluated nothing: {owner}"
+    assert {e["launches"] for e in events if e["event"] == "met"} == {2}, run.tails()
     recorded = states(run.root)
     assert len(recorded) >= 6
     assert set(recorded) == set(owner), (recorded, owner)

@@ -15,6 +15,8 @@ Faults come from the environment only:
   ``LAUNCH_WAIT_RESTART=group``: that group's ranks, in every training step before then,
   wait (bounded, 120 s) until ``flag`` exists: so the restarted group evaluates
   a trial however long its restart takes on a loaded machine.
+- ``LAUNCH_MEET=folder,count``: in its first trial, every rank waits (bounded, 120 s)
+  until ranks of ``count`` different launches (launcher processes) are in theirs.
 - ``LAUNCH_HOLD_S=s``: every rank stays ``s`` seconds in the first training step of
   every trial (the workload of a long trial), so a signal lands in the middle of one.
 """
@@ -108,6 +110,20 @@ def first_step() -> None:
         while not Path(restarted).exists() and time.monotonic() < deadline:
             time.sleep(0.05)  # test orchestration: wait for the other group's restart
         record("waited", seq=SEQ["n"], restarted=Path(restarted).exists())
+    meet = os.environ.get("LAUNCH_MEET")
+    if meet and SEQ["n"] == 1:
+        # Every launch's first trial waits (bounded, 120 s) until each of the `count`
+        # launches is in its first trial, so they share the search however long one
+        # takes to import on a loaded machine.
+        folder, count = meet.rsplit(",", 1)
+        Path(folder, f"{os.environ['NEPS_BCAST_LAUNCH_ID']}.{os.getpid()}").touch()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            launches = {p.name.split(".")[0] for p in Path(folder).iterdir()}
+            if len(launches) >= int(count):
+                break
+            time.sleep(0.05)  # test orchestration: make the launches overlap
+        record("met", seq=SEQ["n"], launches=len(launches))
     hold = float(os.environ.get("LAUNCH_HOLD_S", "0"))
     if hold:
         time.sleep(hold)  # the workload of a long trial
