@@ -137,6 +137,9 @@ def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict
     # (by NePS, or by us after an interrupt) in the root the search started in.
     root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT)).resolve()
     kwargs = {**kwargs, "root_directory": root}
+    # Every NePS lock taken in this process, by us or by NePS before neps.run sets it, is
+    # the kind neps.run uses (a flock does not exclude another worker's lockf).
+    _neps_compat.use_neps_locking()
     guard = RootGuard(root, rt.tag, rt.settings.root_lock_timeout_s)
     leases = Leases(root, rt.settings, lambda: rt.tag)
 
