@@ -93,6 +93,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job is held back cred_expire + 1 s (default 120 s): until then slurmd still
+# refuses its revoked credential ("Killing non-startable batch job: Job credential revoked").
+AuthInfo=cred_expire=10
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool
 SlurmctldPidFile=$DIR/slurmctld.pid

@@ -268,9 +268,11 @@ def test_a_requeued_job_evaluates_the_interrupted_trial_again(
     assert exits == {0: 143, 1: 143}, job.report()
     assert states(root) == {"1": "success", "2": "pending"}, job.report()
     assert not marked_pids(job.marker), job.report()
-    # slurmctld holds a requeued batch job back for ~2 minutes (Reason=BeginTime); the
-    # test does not wait for that delay, which has nothing to do with neps_bcast.
-    slurm("scontrol", "update", f"JobId={job.id}", "StartTime=now")
+    # slurmctld holds a requeued batch job back until its old credential expired
+    # (cred_expire + 1 s: 11 s with tests/slurm/cluster.sh's AuthInfo=cred_expire=10). Not
+    # overridden with StartTime=now: started earlier, slurmd refused the revoked credential
+    # and the job FAILED at once (ExitCode 1:0), 2 times in 2 runs after the script itself
+    # had requeued the job.
 
     info = job.wait_done()
     report = job.report()
