@@ -79,6 +79,16 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def default_sigint() -> None:
+    """In a launch's first process, before exec: SIGINT back to its default.
+
+    A suite started in the background by a script (``make test &``) inherits SIGINT
+    ignored, every launch with it, and Python then never installs KeyboardInterrupt:
+    the Ctrl-C tests saw their signal do nothing (a fresh-clone run here). Users press
+    Ctrl-C in a terminal, where it is not ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def marked_pids(marker: str) -> list[int]:
     return _procfs.pids_with_env(MARKER, marker)
 
@@ -180,6 +190,7 @@ class Running:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=default_sigint,  # noqa: PLW1509 - launches start from one thread
         )
 
     @property

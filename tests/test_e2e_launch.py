@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from harness import FAKE_SRUN, MARKER, PYTHON, base_env, marked_pids, neps_trials
+from harness import FAKE_SRUN, MARKER, PYTHON, base_env, default_sigint, marked_pids, neps_trials
 from neps_bcast import _procfs, sockets
 
 SCRIPT = Path(__file__).parent / "scripts" / "launch_search.py"
@@ -149,6 +149,7 @@ def launch(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=default_sigint,  # noqa: PLW1509 - launches start from one thread
         )
     return Launch(proc, tmp_path, marker, time.monotonic())
 
