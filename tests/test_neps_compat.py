@@ -184,6 +184,19 @@ def test_pipeline_space_wrapper_keeps_the_signature_visible() -> None:
     assert "pipeline_directory" in inspect.signature(wrapped).parameters
 
 
+def small_search(tmp_path: Path, trials: int) -> Path:
+    """A finished random search of ``trials`` trials under ``tmp_path/root``; the root."""
+    root = tmp_path / "root"
+    neps.run(
+        lambda lr, hidden: lr,
+        Space(),
+        root_directory=root,
+        total_evaluations_to_spend=trials,
+        optimizer="random_search",
+    )
+    return root
+
+
 def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) -> None:
     """``_neps_compat.locked_trials``: NePS's trial lock and ``latest()`` trials; a trial
     set back to pending with ``Trial.reset`` keeps its id, config, location, previous
@@ -196,14 +209,7 @@ def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) ->
     from neps.env import LINUX_FILELOCK_FUNCTION
     from neps.state.trial import State
 
-    root = tmp_path / "root"
-    neps.run(
-        lambda lr, hidden: lr,
-        Space(),
-        root_directory=root,
-        total_evaluations_to_spend=2,
-        optimizer="random_search",
-    )
+    root = small_search(tmp_path, trials=2)
     state = NePSState.create_or_load(path=root, load_only=True)
     for trial in state._trial_repo.latest().values():  # as a dead worker leaves them
         trial.set_evaluating(time_started=123.0, worker_id="gone")
@@ -249,14 +255,7 @@ def test_optimizer_lock_is_the_one_neps_takes_on_its_optimizer_state(tmp_path: P
     would again race its writes (tests/test_e2e_shared_root.py)."""
     from neps.env import STATE_FILELOCK_POLL, STATE_FILELOCK_TIMEOUT
 
-    root = tmp_path / "root"
-    neps.run(
-        lambda lr, hidden: lr,
-        Space(),
-        root_directory=root,
-        total_evaluations_to_spend=1,
-        optimizer="random_search",
-    )
+    root = small_search(tmp_path, trials=1)
     state = NePSState.create_or_load(path=root, load_only=True)
     assert state._optimizer_state_path == root.resolve() / _neps_compat.OPTIMIZER_STATE_FILE
     lock = state._optimizer_lock
