@@ -354,6 +354,16 @@ def assert_clean_launch(result: Result, *, expect_rc: int = 0) -> None:
         assert exited == dict.fromkeys(started, 0), (
             f"exit codes by pid {exited}, started {sorted(started)}; logs:\n{result.tail()}"
         )
+        assert_trials_freed_before_finalization(result)
+
+
+def assert_trials_freed_before_finalization(result: Result) -> None:
+    """No process left its trials' models or process groups to the interpreter's
+    finalization (freed there, a gloo group aborts the process: "terminate called
+    without an active exception"). Each "at_exit" record is written by the last atexit
+    handler of a process whose trials trained."""
+    for e in result.of("at_exit"):
+        assert e["trial_objects_alive"] == [], (e, result.tail())
 
 
 def assert_followers_never_touch_neps(exits: dict[int, dict[str, Any]]) -> None:

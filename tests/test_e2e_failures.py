@@ -20,6 +20,7 @@ import pytest
 
 from harness import (
     assert_clean_launch,
+    assert_trials_freed_before_finalization,
     neps_trials,
     run,
     start,
@@ -399,6 +400,12 @@ def test_sigterm_and_ctrl_c_stop_every_rank_and_record_the_trial(
         assert re.fullmatch(want, by_rank[rank]["text"], re.DOTALL), (rank, by_rank[rank])
         assert exits[rank]["code"] == code, (rank, exits[rank])
     assert not exits[0]["ok"]
+    # What could abort at exit (issue 9: about one Ctrl-C run in ten): each rank's
+    # DDP wrapper and process group, still alive when the interpreter finalizes.
+    at_exit = {e["proc_rank"]: e for e in result.of("at_exit")}
+    assert sorted(at_exit) == [0, 1], result.tail()  # both watched something
+    assert all(e["trial_objects_seen"] > 0 for e in at_exit.values()), at_exit
+    assert_trials_freed_before_finalization(result)
     # The recorded exit code is what the interpreter was about to end with; an abort
     # at exit would come after it, and would write to that rank's own log.
     for name, log in result.rank_logs.items():

@@ -21,6 +21,7 @@ from neps_bcast.auth import Signer, new_secret, secret_from_env
 from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.errors import LeaderLostError, NepsBcastError, format_message
 from neps_bcast.follower import follow
+from neps_bcast.group import free_trials_at_exit
 from neps_bcast.launch import Launch, detect
 from neps_bcast.lease import Leases
 from neps_bcast.rendezvous import fingerprint
@@ -43,6 +44,8 @@ def run(
     fn = _resolve(evaluate_pipeline, launch)
     rt = Runtime(launch, settings, _signer(launch))
     _lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
+    atexit.unregister(free_trials_at_exit)  # once, however often run is called
+    atexit.register(free_trials_at_exit)
     if launch.kind == "single":
         _lightning_compat.before_children_start(_prepare_children)
     with rt.activated():
@@ -85,6 +88,13 @@ def _follow(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) -> None
             follow(rt, fn, rt.first_contact() if first_contact else None)
     except LeaderLostError:
         _exit_without_collecting()
+        raise
+    except BaseException:
+        # SIGTERM, Ctrl-C, sys.exit, an error of ours: close neps_bcast's own gloo group
+        # (the channel) now. Left to the interpreter's finalization, its worker threads
+        # can abort the process (see ``group.free_trials_at_exit``); measured: every
+        # interrupted follower of the suite's signal tests still held it at exit.
+        rt.close()
         raise
     finally:
         rt.link.release_watch()

@@ -15,6 +15,7 @@ user's Trainer gets it without a code change; it is added only while
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import importlib
@@ -24,6 +25,7 @@ import torch.distributed as dist
 
 from neps_bcast import _lightning_compat, runtime
 from neps_bcast.errors import ProtocolError, format_message
+from neps_bcast.group import free_trials_at_exit
 
 _CHECKS: dict[str, type] = {}
 DRAIN_TIMEOUT = datetime.timedelta(seconds=60)
@@ -57,12 +59,17 @@ def _check_class(package: str) -> type:
             work's tensors while the interpreter finalizes, cannot take the GIL, is
             ended by ``pthread_exit`` inside a C++ destructor, and the process aborts
             ("terminate called without an active exception"; pytorch/pytorch#190489).
-            One bounded barrier here lets that thread finish while Python is alive.
+            One bounded barrier here lets that thread finish while Python is alive,
+            and the worker's exit then destroys the group and frees the fit's objects
+            before finalization (``group.free_trials_at_exit``, as ``run`` registers
+            in the processes it runs in).
             """
             if runtime.active() is not None or not _lightning_compat.is_spawn_launcher(
                 trainer.strategy, package
             ):
                 return
+            atexit.unregister(free_trials_at_exit)  # once per worker
+            atexit.register(free_trials_at_exit)
             if not (dist.is_available() and dist.is_initialized()):
                 return
             if dist.get_backend() != "gloo":

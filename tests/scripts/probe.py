@@ -8,6 +8,7 @@ opens or lists under the NePS root (an audit hook).
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -15,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +208,33 @@ def watch_root(root: Path) -> None:
             pass
 
     sys.addaudithook(hook)
+
+
+TRIAL_OBJECTS: list[tuple[str, weakref.ref[Any]]] = []
+"""What a trial made that must be gone when the process ends (its DDP wrapper, its group)."""
+
+
+def outlives_its_trial(obj: Any, kind: str) -> None:
+    """Watch ``obj``: the "at_exit" record says whether it was still alive then.
+
+    A trial's DDP wrapper holds the trial's process group (its reducer does, even once
+    the group is destroyed); one still alive at exit is freed by the interpreter's
+    finalization, when gloo's worker threads can no longer take the GIL (SIGABRT, "terminate called without an active
+    exception"; pytorch/pytorch#190489, #179291).
+    """
+    TRIAL_OBJECTS.append((kind, weakref.ref(obj)))
+
+
+def _left_to_finalization() -> None:
+    """The last atexit handler (registered at import, before any of neps_bcast's): what
+    a trial made and is still alive here, reachable or garbage in a cycle, is freed by
+    the interpreter's finalization. Not collected first: that would hide it."""
+    if TRIAL_OBJECTS:
+        alive = sorted({kind for kind, ref in TRIAL_OBJECTS if ref() is not None})
+        record("at_exit", trial_objects_alive=alive, trial_objects_seen=len(TRIAL_OBJECTS))
+
+
+atexit.register(_left_to_finalization)
 
 
 def exit_code(exc: BaseException | None) -> int:

@@ -25,6 +25,7 @@ from probe import SCENARIO, SEQ, fault, my_rank, record
 from space_tools import unpicklable_tool
 
 import neps_bcast
+import neps_bcast.runtime
 
 
 def evaluate(**kwargs: Any) -> float:
@@ -45,6 +46,15 @@ def evaluate(**kwargs: Any) -> float:
         probe.arm_stack_dump()
 
 
+def watch_the_channel() -> None:
+    """neps_bcast's own gloo group, the control channel (no local of a trial's frame
+    may hold it: a failed trial's traceback keeps those frames)."""
+    rt = neps_bcast.runtime.active()
+    channel = getattr(rt.link.channel, "_pg", None) if rt is not None else None
+    if channel is not None:
+        probe.outlives_its_trial(channel, "control channel")
+
+
 def in_session(kwargs: dict[str, Any]) -> float:
     with neps_bcast.session() as trial:
         record(
@@ -62,6 +72,7 @@ def in_session(kwargs: dict[str, Any]) -> float:
                 and (Path(trial.previous_pipeline_directory) / "last.ckpt").exists()
             ),
         )
+        watch_the_channel()
         workload.echo_open(f"trial_{SEQ['n']}", trial.rank)
         workload.echo_use(trial.rank)
         fault("session")

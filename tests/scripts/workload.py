@@ -11,8 +11,9 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from probe import SCENARIO, SEQ, fault, record
+from probe import SCENARIO, SEQ, fault, outlives_its_trial, record
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -29,6 +30,14 @@ class Model(L.LightningModule):
         if not self.stepped:  # the process that trains (ddp_spawn: a spawned one)
             self.stepped = True
             record("step", trial_id=self.trial_id, rank=self.global_rank)
+            # What holds a gloo group's threads: the group, and the DDP wrapper whose
+            # reducer holds it even once the group is destroyed. (The model itself may
+            # outlive the trial harmlessly: a ddp_spawn worker's arguments hold it.)
+            wrapper = self.trainer.strategy.model
+            if isinstance(wrapper, DistributedDataParallel):
+                outlives_its_trial(wrapper, "DDP wrapper")
+            if dist.is_initialized():
+                outlives_its_trial(dist.group.WORLD, "process group")
         fault("fit")
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
