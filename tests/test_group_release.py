@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 import textwrap
+import traceback
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,7 +22,7 @@ import pytest
 
 from neps_bcast import peers, sockets
 from neps_bcast.auth import Signer
-from neps_bcast.group import group_connections
+from neps_bcast.group import drop_finished_frames, group_connections
 
 ECHO_SERVER = textwrap.dedent(
     """
@@ -154,3 +156,37 @@ def test_a_lost_process_that_is_not_a_child_is_named_gone() -> None:
     assert table.describe_lost(None, 2) == f"rank 1 lost: its process is gone (pid {child.pid})"
     table._known[1] = peers.Peer(1, socket.gethostname(), os.getpid())  # alive: not lost
     assert table.describe_lost(None, 2) == ""
+
+
+class _Trainer:
+    """Stands for a Trainer: what a failed trial's frames must not keep alive."""
+
+
+def _fit(trainer: _Trainer) -> None:
+    raise KeyboardInterrupt
+
+
+def _interrupted_fit(trainer: _Trainer) -> SystemExit:
+    """What Lightning does with Ctrl-C: ``sys.exit(1)`` inside its
+    ``except KeyboardInterrupt``, so the training frames hang off ``__context__``."""
+    try:
+        try:
+            _fit(trainer)
+        except KeyboardInterrupt:
+            raise SystemExit(1)  # noqa: B904 - chained implicitly, as Lightning does
+    except SystemExit as exc:
+        return exc
+    raise AssertionError("unreachable")
+
+
+def test_releasing_drops_the_frames_of_every_chained_error() -> None:
+    trainer = _Trainer()
+    ref = weakref.ref(trainer)
+    exc = _interrupted_fit(trainer)
+    del trainer
+    assert ref() is not None  # the chained KeyboardInterrupt's frames hold it
+    drop_finished_frames(exc)
+    assert ref() is None
+    # The error still prints whole: its traceback keeps files and line numbers.
+    text = "".join(traceback.format_exception(exc))
+    assert "_fit" in text and "KeyboardInterrupt" in text and "SystemExit: 1" in text
