@@ -1,4 +1,4 @@
-"""What only the benchmarks need on top of ``neps_bcast._procfs`` (which parses ``/proc``).
+"""What only the benchmarks need on top of ``neps_bcast.compat.procfs`` (which parses ``/proc``).
 
 - ``clean_env``: the environment a launch starts from (no launcher or rank variables);
 - a launch marker: every process of one launch inherits ``BENCH_LAUNCH=<id>``, which is how
@@ -7,7 +7,7 @@
 - ``describe``: which rank a process is, for the CPU timelines.
 
 The supervisor imports this module, so it stays light: ``_procfs`` is loaded from its file
-rather than through ``import neps_bcast._procfs``, which would run ``neps_bcast/__init__``
+rather than through ``import neps_bcast.compat.procfs``, which would run ``neps_bcast/__init__``
 and import torch (~1.5 CPU-seconds for each of the ~20 supervisors of a quick run).
 """
 
@@ -40,7 +40,7 @@ def _load_procfs() -> ModuleType:
 
 
 procfs = _load_procfs()
-"""``neps_bcast._procfs``: read_stat, is_alive, environ, cmdline, pids_with_env, kill."""
+"""``neps_bcast.compat.procfs``: read_stat, is_alive, environ, cmdline, pids_with_env, kill."""
 
 SCRUBBED_VARIABLES = (
     "RANK",

@@ -11,7 +11,7 @@ follower's time minus the leader's. Then the leader holds ``--hold`` seconds whi
 followers wait in the receive, and each follower reports its process CPU time (all
 threads) over that wait.
 
-Everything that touches ``neps_bcast.channel`` is in the section "the channel" below
+Everything that touches ``neps_bcast.transport.channel`` is in the section "the channel" below
 (``open_store`` and ``join_channel``): adapt those two when the channel's API changes.
 """
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neps_bcast import store as control_store
-from neps_bcast.channel import GlooChannel
 from neps_bcast.config import Settings
+from neps_bcast.transport import store as control_store
+from neps_bcast.transport.channel import GlooChannel
 
 # ----------------------------------------------------------------------------- the channel
 SETTINGS = Settings.from_env()

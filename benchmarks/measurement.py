@@ -411,8 +411,8 @@ def measure_auth(repetitions: int = 2000) -> Record:
     follower checks the tag, for a 1 KB trial, in this process (no launch needed)."""
     import time as clock
 
-    from neps_bcast.auth import Signer, new_secret
-    from neps_bcast.messages import TrialMessage, encode
+    from neps_bcast.transport.auth import Signer, new_secret
+    from neps_bcast.transport.messages import TrialMessage, encode
 
     signer = Signer(new_secret())
     message = TrialMessage(1, "1", {"x": 0.5, "payload": "p" * 1000}, None, None)

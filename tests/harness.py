@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from neps_bcast import _procfs
+from neps_bcast.compat import procfs
 from scenario import Scenario
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -90,7 +90,7 @@ def default_sigint() -> None:
 
 
 def marked_pids(marker: str) -> list[int]:
-    return _procfs.pids_with_env(MARKER, marker)
+    return procfs.pids_with_env(MARKER, marker)
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:
@@ -217,7 +217,7 @@ class Running:
         (faulthandler on SIGUSR1, tests/scripts/probe.py), so a hang shows where it is."""
         pids = marked_pids(self.marker)
         for pid in pids:
-            _procfs.kill(pid, signal.SIGUSR1)
+            procfs.kill(pid, signal.SIGUSR1)
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             logs = self.rank_logs().values()
@@ -227,7 +227,7 @@ class Running:
 
     def kill_all(self) -> None:
         for pid in [self.proc.pid, *marked_pids(self.marker)]:
-            _procfs.kill(pid)
+            procfs.kill(pid)
 
     def wait_for(
         self, what: str, found: Callable[[list[dict[str, Any]]], Any], timeout: float = 120.0

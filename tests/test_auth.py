@@ -7,11 +7,11 @@ import pickle
 
 import pytest
 
-from neps_bcast import _torch_compat as tc
-from neps_bcast import store
-from neps_bcast.auth import Signer
+from neps_bcast.compat import torch as tc
 from neps_bcast.errors import AuthError
-from neps_bcast.messages import ErrorRecord
+from neps_bcast.transport import store
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.messages import ErrorRecord
 
 SIGNER = Signer(b"s" * 32)
 
@@ -34,7 +34,7 @@ def test_the_error_board_refuses_a_forged_record_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     server = tc.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    board = store.ErrorBoard(server, SIGNER, "test")
+    board = store.ErrorBoard(server, SIGNER)
     genuine = ErrorRecord.from_exception(1, ValueError("real"), pid=1)
     board.publish(3, genuine)
     tc.set_bytes(server, store.Keys.error(3, 0), pickle.dumps(ValueError("forged")))
@@ -51,7 +51,7 @@ def test_the_error_board_refuses_a_forged_record_and_says_so(
 def test_a_store_served_on_loopback_listens_on_loopback_only() -> None:
     import datetime
 
-    from neps_bcast import sockets
+    from neps_bcast.transport import sockets
 
     served = store.serve(datetime.timedelta(seconds=10), loopback=True)
     listening = sockets.listening(sockets.tcp_table(), sockets.socket_inodes())

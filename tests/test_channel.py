@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from neps_bcast import _torch_compat
+from neps_bcast.compat import torch as torch_compat
 
 CTX = mp.get_context("spawn")
 STORE_TIMEOUT = datetime.timedelta(seconds=30)
@@ -70,9 +70,9 @@ def _child(
     release: Any,
     extra: dict[str, Any],
 ) -> None:
-    from neps_bcast.channel import GlooChannel
-    from neps_bcast.store import connect as connect_store
-    from neps_bcast.store import serve as serve_store
+    from neps_bcast.transport.channel import GlooChannel
+    from neps_bcast.transport.store import connect as connect_store
+    from neps_bcast.transport.store import serve as serve_store
 
     # A child still running near the test's bound shows where it is (captured stderr).
     faulthandler.dump_traceback_later(WAIT - 10)
@@ -100,7 +100,7 @@ def _round_trips(
     join_timeout: datetime.timedelta,
     gloo_channel: Any,
 ) -> None:
-    from neps_bcast.channel import ChannelClosedError
+    from neps_bcast.transport.channel import ChannelClosedError
 
     channel = gloo_channel.join(store, rank, size, join_timeout, STORE_TIMEOUT)
     assert (channel.group_rank, channel.world_size) == (rank, size)
@@ -160,7 +160,7 @@ def _partial_join(
     join_timeout: datetime.timedelta,
     gloo_channel: Any,
 ) -> None:
-    from neps_bcast.channel import JoinTimeoutError
+    from neps_bcast.transport.channel import JoinTimeoutError
 
     # Ranks 0 and 1 start their join clocks together (imports under load can differ by
     # seconds): rank 1 says it is here through a key of the test's own.
@@ -265,7 +265,7 @@ def join_all(procs: list[Any]) -> list[int | None]:
 
 @pytest.fixture(autouse=True)
 def _bounded_children(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Read by neps_bcast.channel at import in the children: a stuck live peer fails
+    # Read by neps_bcast.transport.channel at import in the children: a stuck live peer fails
     # the collective after 45 s instead of the library's default week.
     monkeypatch.setenv("NEPS_BCAST_WAIT_TIMEOUT_S", "45")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -302,7 +302,7 @@ def test_round_trips_then_followers_notice_the_leader_killed(size: int) -> None:
         assert kind == "closed", (rank, kind)
         assert blocked_s < 15, (rank, blocked_s)
         # The text gloo gives is what runtime classifies as caused by a peer.
-        assert _torch_compat.is_peer_closed(RuntimeError(text)), text
+        assert torch_compat.is_peer_closed(RuntimeError(text)), text
     assert codes == [-signal.SIGKILL] + [0] * (size - 1)
 
 

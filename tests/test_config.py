@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from neps_bcast.auth import ENV_SECRET
 from neps_bcast.config import INTERNAL, VARIABLES, Settings
 from neps_bcast.errors import LaunchError
+from neps_bcast.transport.auth import ENV_SECRET
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

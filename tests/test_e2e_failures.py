@@ -27,7 +27,7 @@ from harness import (
     torchrun_cmd,
     trials_by_rank,
 )
-from neps_bcast import _procfs
+from neps_bcast.compat import procfs
 from scenario import DevicesAt, Fault, Scenario
 
 BOUND_S = 60.0
@@ -455,7 +455,7 @@ def test_sigterm_to_a_follower_waiting_between_trials(tmp_path: Path) -> None:
         "the leader's sampling pause",
         lambda ev: any(e["event"] == "fault" and e["where"] == "sample" for e in ev),
     )
-    assert _procfs.kill(follower, signal.SIGTERM), "the follower was gone before the signal"
+    assert procfs.kill(follower, signal.SIGTERM), "the follower was gone before the signal"
     sent = time.time()
     result = running.finish()
     events = result.events

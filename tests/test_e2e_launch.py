@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from harness import FAKE_SRUN, MARKER, PYTHON, base_env, default_sigint, marked_pids, neps_trials
-from neps_bcast import _procfs, sockets
+from neps_bcast.compat import procfs
+from neps_bcast.transport import sockets
 
 SCRIPT = Path(__file__).parent / "scripts" / "launch_search.py"
 NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
@@ -71,7 +72,7 @@ class Launch:
 
     def kill_all(self) -> None:
         for pid in [self.proc.pid, *marked_pids(self.marker)]:
-            _procfs.kill(pid)
+            procfs.kill(pid)
 
     def wait_until(self, what: str, found: Callable[[], Any]) -> Any:
         """Poll (bounded by the deadline) until ``found()`` is truthy."""

@@ -16,7 +16,7 @@ from harness import (
     start,
     trials_by_rank,
 )
-from neps_bcast import _procfs
+from neps_bcast.compat import procfs
 from scenario import Fault, Scenario
 
 BASIC_KEYS = ("lr", "hidden", "activation")
@@ -147,9 +147,9 @@ def test_a_waiting_follower_uses_no_cpu(tmp_path: Path) -> None:
         return lambda ev: any(e["event"] == event and e["where"] == "sample" for e in ev)
 
     running.wait_for("the leader's sampling pause", pause("fault"))
-    before, t0 = _procfs.read_stat(follower_pid), time.monotonic()
+    before, t0 = procfs.read_stat(follower_pid), time.monotonic()
     running.wait_for("the end of the pause", pause("slept"))
-    after, t1 = _procfs.read_stat(follower_pid), time.monotonic()
+    after, t1 = procfs.read_stat(follower_pid), time.monotonic()
     result = running.finish()
     assert_clean_launch(result)
     assert before is not None and after is not None, "the follower was gone while waiting"

@@ -27,8 +27,8 @@ from harness import (
     start,
     torchrun_cmd,
 )
-from neps_bcast import _procfs
-from neps_bcast.lease_record import read_lease
+from neps_bcast.compat import procfs
+from neps_bcast.recovery.lease_file import read_lease
 from scenario import Fault, Scenario
 
 SCRIPT = SCRIPTS / "recovery_search.py"
@@ -109,7 +109,7 @@ def test_sigterm_to_the_whole_launch_puts_the_trial_back(tmp_path: Path, launche
     pids = marked_pids(running.marker)
     sent = time.time()
     for pid in pids:
-        _procfs.kill(pid, signal.SIGTERM)
+        procfs.kill(pid, signal.SIGTERM)
     first = running.finish()
     assert not first.left_alive, first.tail()
     assert first.gone_at - sent < BOUND_S, first.tail()

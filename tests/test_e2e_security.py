@@ -30,7 +30,8 @@ from harness import (
     start,
     torchrun_cmd,
 )
-from neps_bcast import _procfs, sockets
+from neps_bcast.compat import procfs
+from neps_bcast.transport import sockets
 from scenario import Fault, Scenario
 
 ATTACKER = SCRIPTS / "attacker.py"
@@ -114,9 +115,9 @@ def test_an_attacker_on_the_leaders_store_runs_nothing_lightning(tmp_path: Path)
     outsider = attacker(tmp_path)
     running = start(SCENARIO, tmp_path)
     child = follower_pid(running)
-    address = _procfs.environ(child)["NEPS_BCAST_LEADER"]
+    address = procfs.environ(child)["NEPS_BCAST_LEADER"]
     aim(tmp_path, [address])
-    leader = int(_procfs.read_stat(child).ppid)  # type: ignore[union-attr]
+    leader = int(procfs.read_stat(child).ppid)  # type: ignore[union-attr]
     ports = listening_ports(leader)
     result = running.finish()
     report = stop_attack(tmp_path, outsider)
@@ -131,7 +132,7 @@ def test_an_attacker_on_both_stores_runs_nothing_torchrun(tmp_path: Path) -> Non
     outsider = attacker(tmp_path)
     running = start(SCENARIO, tmp_path, cmd=torchrun_cmd(2))
     leader = leader_pid(running)
-    env = _procfs.environ(leader)
+    env = procfs.environ(leader)
     rendezvous = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     meet = (
         f"neps_bcast/meet/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"

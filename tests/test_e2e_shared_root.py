@@ -75,16 +75,16 @@ CHECK = textwrap.dedent(
     import sys
     from pathlib import Path
 
-    from neps_bcast import _neps_compat
+    from neps_bcast.compat import neps as neps_compat
     from neps_bcast.config import Settings
-    from neps_bcast.lease import Leases
+    from neps_bcast.recovery.lease import Leases
 
     root, what = Path(sys.argv[1]), sys.argv[2]
     try:
         if what == "orphans":
-            done = Leases(root, Settings.from_env(), lambda: "check").recover_orphans()
+            done = Leases(root, Settings.from_env()).recover_orphans()
         else:
-            _neps_compat.record_crashed("1", root, RuntimeError("interrupted"))
+            neps_compat.record_crashed("1", root, RuntimeError("interrupted"))
             done = []
     except Exception as exc:
         print(json.dumps({"error": type(exc).__name__, "message": str(exc)[:300]}))

@@ -8,8 +8,8 @@ import pytest
 
 import neps_bcast
 from neps_bcast import errors
-from neps_bcast.channel import JoinTimeoutError
-from neps_bcast.identity import Identity
+from neps_bcast.log import logger, rank_tag, role_tag, tagged
+from neps_bcast.transport.channel import JoinTimeoutError
 
 ERROR_CLASSES = [
     errors.SessionError,
@@ -37,7 +37,7 @@ def test_every_error_is_a_neps_bcast_error(cls: type[Exception]) -> None:
 
 
 def test_format_message_with_hint() -> None:
-    tag = Identity(group_rank=1, world_size=4).tag
+    tag = role_tag(1, 4)
     text = errors.format_message(tag, "lost the leader.", "see its log.")
     assert text == "[neps_bcast rank 1/4 follower] lost the leader. HINT: see its log."
 
@@ -56,13 +56,22 @@ def test_format_message_without_hint_has_no_hint() -> None:
         (2, 3, "neps_bcast rank 2/3 follower"),
     ],
 )
-def test_identity_tag_names_rank_size_and_role(
+def test_role_tag_names_rank_size_and_role(
     group_rank: int, world_size: int | None, tag: str
 ) -> None:
-    identity = Identity(group_rank, world_size)
-    assert identity.tag == tag
-    assert identity.is_leader is (group_rank == 0)
-    assert identity.role == ("leader" if group_rank == 0 else "follower")
+    assert role_tag(group_rank, world_size) == tag
+
+
+def test_log_lines_carry_the_tag_of_the_running_call(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="neps_bcast"), tagged(lambda: role_tag(1, 4)):
+        logger.info("trial %s received", "7")
+        inside = rank_tag()
+    assert caplog.messages == ["[neps_bcast rank 1/4 follower] trial 7 received"]
+    assert inside == "neps_bcast rank 1/4 follower"
+
+
+def test_outside_a_run_the_tag_names_the_process() -> None:
+    assert rank_tag().startswith("neps_bcast pid ")
 
 
 def test_join_timeout_error_names_the_missing_ranks() -> None:

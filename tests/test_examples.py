@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness import MARKER, PYTHON, TORCHRUN, base_env, marked_pids, neps_trials
-from neps_bcast import _procfs
+from neps_bcast.compat import procfs
 
 REPO = Path(__file__).parent.parent
 NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
@@ -43,7 +43,7 @@ def run_example(cmd: list[str], tmp_path: Path, timeout: float = 240) -> str:
             time.sleep(0.05)  # bounded wait for the launch's processes to exit
         left = marked_pids(marker)
         for pid in left:
-            _procfs.kill(pid)
+            procfs.kill(pid)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     assert not left, f"processes {left} left running:\n{output[-3000:]}"

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from neps_bcast import peers, sockets
-from neps_bcast.auth import Signer
-from neps_bcast.group import drop_finished_frames, group_connections
+from neps_bcast.ddp.group import drop_finished_frames, group_connections
+from neps_bcast.transport import peers, sockets
+from neps_bcast.transport.auth import Signer
 
 ECHO_SERVER = textwrap.dedent(
     """

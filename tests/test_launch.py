@@ -6,8 +6,8 @@ import neps
 import pytest
 
 from neps_bcast.errors import LaunchError
-from neps_bcast.launch import detect
-from neps_bcast.rendezvous import fingerprint
+from neps_bcast.startup.launch import detect
+from neps_bcast.startup.rendezvous import fingerprint
 
 
 def test_torchrun_environment_is_external() -> None:

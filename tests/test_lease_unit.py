@@ -18,11 +18,18 @@ from typing import Any
 import pytest
 
 from harness import base_env, neps_trials
-from neps_bcast import _procfs
+from neps_bcast.compat import procfs
 from neps_bcast.config import Settings
 from neps_bcast.errors import LaunchError
-from neps_bcast.lease import Leases
-from neps_bcast.lease_record import LEASE_FILE, Lease, Owner, read_lease, retry_limit, why_dead
+from neps_bcast.recovery.lease import Leases
+from neps_bcast.recovery.lease_file import (
+    LEASE_FILE,
+    Lease,
+    Owner,
+    read_lease,
+    retry_limit,
+    why_dead,
+)
 
 SCRIPT = Path(__file__).parent / "scripts" / "recovery_single.py"
 PYTHON = sys.executable
@@ -108,7 +115,7 @@ def test_a_bad_retry_limit_names_the_variable(raw: str) -> None:
 
 
 def test_the_heartbeat_renews_the_lease_until_the_trial_ends(tmp_path: Path) -> None:
-    leases = Leases(tmp_path, Settings(heartbeat_s=0.05), lambda: "test")
+    leases = Leases(tmp_path, Settings(heartbeat_s=0.05))
     try:
         leases.take("7", tmp_path)
         first = read_lease(tmp_path)
@@ -211,8 +218,8 @@ RECOVER = """
 import json, sys
 from pathlib import Path
 from neps_bcast.config import Settings
-from neps_bcast.lease import Leases
-done = Leases(Path(sys.argv[1]), Settings(), lambda: "recoverer").recover_orphans()
+from neps_bcast.recovery.lease import Leases
+done = Leases(Path(sys.argv[1]), Settings()).recover_orphans()
 print(json.dumps(done))
 """
 
@@ -238,4 +245,4 @@ def test_two_leaders_never_both_take_one_orphan(tmp_path: Path) -> None:
     assert lease is not None
     assert len(lease.attempts) == 1
     assert states(tmp_path)["2"] == "pending"
-    assert not [p for p in procs if _procfs.is_alive(p.pid)]
+    assert not [p for p in procs if procfs.is_alive(p.pid)]

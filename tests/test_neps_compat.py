@@ -1,7 +1,7 @@
-"""Fails loudly when NePS changes what ``neps_bcast._neps_compat`` relies on.
+"""Fails loudly when NePS changes what ``neps_bcast.compat.neps`` relies on.
 
 Each test names the NePS behaviour it pins; when one fails after a NePS upgrade, fix
-``src/neps_bcast/_neps_compat.py`` (the only module that may touch NePS internals).
+``src/neps_bcast/neps_compat.py`` (the only module that may touch NePS internals).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 from neps.space.neps_spaces.neps_space import adjust_evaluation_pipeline_for_neps_space
 from neps.state.neps_state import NePSState
 
-from neps_bcast import _neps_compat
-from neps_bcast._neps_compat import INJECTED_ARGUMENTS, NEPS_DDP_ENV_VARS, current_trial
+from neps_bcast.compat import neps as neps_compat
+from neps_bcast.compat.neps import INJECTED_ARGUMENTS, NEPS_DDP_ENV_VARS, current_trial
 
 
 class Space(neps.PipelineSpace):
@@ -36,7 +36,7 @@ def recorded(root: Path) -> dict[str, Any]:
 
 def test_get_in_progress_trial_exists_and_refuses_outside_an_evaluation() -> None:
     assert callable(getattr(neps.runtime, "get_in_progress_trial", None)), (
-        "neps.runtime.get_in_progress_trial is gone: _neps_compat.current_trial needs a"
+        "neps.runtime.get_in_progress_trial is gone: neps_compat.current_trial needs a"
         " new way to learn the trial NePS is evaluating"
     )
     with pytest.raises(RuntimeError):
@@ -49,7 +49,7 @@ def test_neps_ddp_variable_name_is_still_the_one_we_know() -> None:
 
 def test_neps_injects_exactly_the_arguments_the_signature_names(tmp_path: Path) -> None:
     seen: list[dict[str, Any]] = []
-    during: list[_neps_compat.NepsTrialInfo] = []
+    during: list[neps_compat.NepsTrialInfo] = []
 
     def wants_all(
         lr: float,
@@ -127,7 +127,7 @@ def test_neps_injects_nothing_the_signature_does_not_name(tmp_path: Path) -> Non
 
 
 def test_previous_pipeline_directory_is_the_previous_rung_location(tmp_path: Path) -> None:
-    seen: list[tuple[dict[str, Any], _neps_compat.NepsTrialInfo]] = []
+    seen: list[tuple[dict[str, Any], neps_compat.NepsTrialInfo]] = []
 
     def evaluate(
         lr: float,
@@ -198,7 +198,7 @@ def small_search(tmp_path: Path, trials: int) -> Path:
 
 
 def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) -> None:
-    """``_neps_compat.locked_trials``: NePS's trial lock and ``latest()`` trials; a trial
+    """``neps_compat.locked_trials``: NePS's trial lock and ``latest()`` trials; a trial
     set back to pending with ``Trial.reset`` keeps its id, config, location, previous
     location and sampling time (NePS hands out the oldest pending trial first); a trial
     set crashed is reported as NePS reports a raising evaluation; NePS's own locking
@@ -216,7 +216,7 @@ def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) ->
         state._trial_repo.update_trial(trial, hints="metadata")
     before = recorded(root)
 
-    with _neps_compat.locked_trials(root) as book:
+    with neps_compat.locked_trials(root) as book:
         assert book is not None
         assert LINUX_FILELOCK_FUNCTION == "lockf"
         assert portalocker_lock_module.LOCKER is fcntl.lockf
@@ -228,7 +228,7 @@ def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) ->
         book.set_pending("1")
         book.set_crashed("2", RuntimeError("interrupted 4 times"))
         assert book.state_of("1") == "pending"
-    with _neps_compat.locked_trials(tmp_path / "nothing") as none:
+    with neps_compat.locked_trials(tmp_path / "nothing") as none:
         assert none is None
 
     after = recorded(root)
@@ -249,7 +249,7 @@ def test_trial_lock_reset_and_crash_record_as_leases_use_them(tmp_path: Path) ->
 
 
 def test_optimizer_lock_is_the_one_neps_takes_on_its_optimizer_state(tmp_path: Path) -> None:
-    """``_neps_compat._optimizer_lock``: the file, poll interval and timeout of NePS's own
+    """``neps_compat._optimizer_lock``: the file, poll interval and timeout of NePS's own
     optimizer lock (the lock NePS holds while it rewrites ``optimizer_state.pkl`` in
     place), and the state file it guards. If NePS moves either, our loads of its state
     would again race its writes (tests/test_e2e_shared_root.py)."""
@@ -257,13 +257,13 @@ def test_optimizer_lock_is_the_one_neps_takes_on_its_optimizer_state(tmp_path: P
 
     root = small_search(tmp_path, trials=1)
     state = NePSState.create_or_load(path=root, load_only=True)
-    assert state._optimizer_state_path == root.resolve() / _neps_compat.OPTIMIZER_STATE_FILE
+    assert state._optimizer_state_path == root.resolve() / neps_compat.OPTIMIZER_STATE_FILE
     lock = state._optimizer_lock
-    assert lock.lock_path == root.resolve() / _neps_compat.OPTIMIZER_LOCK_FILE
+    assert lock.lock_path == root.resolve() / neps_compat.OPTIMIZER_LOCK_FILE
     assert (lock.poll, lock.timeout) == (STATE_FILELOCK_POLL, STATE_FILELOCK_TIMEOUT)
-    with _neps_compat._optimizer_lock(root):  # takes and releases it, as NePS builds it
+    with neps_compat._optimizer_lock(root):  # takes and releases it, as NePS builds it
         pass
-    assert _neps_compat._loaded_state(root).path == state.path
+    assert neps_compat._loaded_state(root).path == state.path
 
 
 def test_lock_kind_is_what_neps_run_locks_with() -> None:
@@ -275,10 +275,10 @@ def test_lock_kind_is_what_neps_run_locks_with() -> None:
     from neps.env import LINUX_FILELOCK_FUNCTION
 
     assert LINUX_FILELOCK_FUNCTION == "lockf"
-    assert _neps_compat.lock_kind() == "lockf"
+    assert neps_compat.lock_kind() == "lockf"
     saved = portalocker_lock_module.LOCKER
     try:
-        _neps_compat.use_neps_locking()
+        neps_compat.use_neps_locking()
         assert portalocker_lock_module.LOCKER is fcntl.lockf
     finally:
         portalocker_lock_module.LOCKER = saved

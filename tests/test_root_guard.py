@@ -45,7 +45,7 @@ def test_second_worker_with_another_hash_seed(tmp_path: Path) -> None:
     assert_clean_launch(first)
     # Plain NePS refuses the very same space when the process's hash seed orders the
     # categorical choices differently (NePS builds them with list(set(choices))). If
-    # this starts passing, NePS fixed it and neps_bcast.root_guard can be simplified.
+    # this starts passing, NePS fixed it and neps_bcast.recovery.root_lock can be simplified.
     plain = plain_neps(root, tmp_path, "2")
     assert plain.returncode != 0
     assert "The pipeline space on disk does not match" in plain.stderr

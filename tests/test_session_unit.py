@@ -24,9 +24,8 @@ from neps.state.neps_state import NePSState
 
 import neps_bcast
 from harness import LAUNCH_VARS
-from neps_bcast import _neps_compat, leader, runtime
-from neps_bcast.auth import Signer
-from neps_bcast.channel import Channel, ChannelClosedError
+from neps_bcast import leader, runtime
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
     NepsBcastError,
@@ -36,9 +35,11 @@ from neps_bcast.errors import (
     TrialMismatchError,
 )
 from neps_bcast.follower import follow
-from neps_bcast.launch import Launch
-from neps_bcast.messages import Phase, Report, StopMessage, TrialMessage, decode
-from neps_bcast.protocol import TrialRun
+from neps_bcast.startup.launch import Launch
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.channel import Channel, ChannelClosedError
+from neps_bcast.transport.messages import Phase, Report, StopMessage, TrialMessage, decode
+from neps_bcast.trial import TrialRun
 
 
 class Space(neps.PipelineSpace):
@@ -267,7 +268,7 @@ class FakeGroup:
 
 
 class FakeChannel:
-    """One rank's end of a ``FakeGroup``; implements ``neps_bcast.channel.Channel``."""
+    """One rank's end of a ``FakeGroup``; implements ``neps_bcast.transport.channel.Channel``."""
 
     def __init__(self, group: FakeGroup, group_rank: int) -> None:
         self.group = group
@@ -316,11 +317,11 @@ def trial_ids(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ids: list[str] = []
     handed = iter(range(1000))
 
-    def current_trial() -> _neps_compat.NepsTrialInfo:
+    def current_trial() -> neps_compat.NepsTrialInfo:
         trial_id = ids[next(handed)]
-        return _neps_compat.NepsTrialInfo(trial_id, Path(f"/r/configs/config_{trial_id}"), None)
+        return neps_compat.NepsTrialInfo(trial_id, Path(f"/r/configs/config_{trial_id}"), None)
 
-    monkeypatch.setattr(_neps_compat, "current_trial", current_trial)
+    monkeypatch.setattr(neps_compat, "current_trial", current_trial)
     return ids
 
 

@@ -1,6 +1,6 @@
 """Pins every torch name neps_bcast uses beyond the public ``torch.distributed`` API.
 
-If one of these fails after a torch upgrade, ``src/neps_bcast/_torch_compat.py`` is the
+If one of these fails after a torch upgrade, ``src/neps_bcast/compat/torch.py`` is the
 one module to adapt. (The texts of gloo's peer-closed errors are pinned on a real
 two-process group in ``test_channel.py``.)
 """
@@ -12,7 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _torch_compat as tc
+from neps_bcast.compat import torch as tc
 
 
 def test_store_classes_come_from_the_c_module() -> None:

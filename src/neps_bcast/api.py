@@ -16,18 +16,21 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
-from neps_bcast import _lightning_compat, _neps_compat, external, leader
-from neps_bcast.auth import Signer, new_secret, secret_from_env
+from neps_bcast import leader
+from neps_bcast.compat import lightning as lightning_compat
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import INTERNAL, Settings
+from neps_bcast.ddp.group import free_trials_at_exit
 from neps_bcast.errors import LeaderLostError, NepsBcastError, format_message
 from neps_bcast.follower import follow
-from neps_bcast.group import free_trials_at_exit
-from neps_bcast.launch import Launch, detect
-from neps_bcast.lease import Leases
-from neps_bcast.rendezvous import fingerprint
-from neps_bcast.root_guard import RootGuard
+from neps_bcast.recovery.lease import Leases
+from neps_bcast.recovery.root_lock import RootGuard
+from neps_bcast.recovery.signals import sigterm_raises
 from neps_bcast.runtime import Runtime, active
-from neps_bcast.signals import sigterm_raises
+from neps_bcast.startup import external
+from neps_bcast.startup.launch import Launch, detect
+from neps_bcast.startup.rendezvous import fingerprint
+from neps_bcast.transport.auth import Signer, new_secret, secret_from_env
 
 
 def run(
@@ -43,11 +46,11 @@ def run(
     launch = detect()
     fn = _resolve(evaluate_pipeline, launch)
     rt = Runtime(launch, settings, _signer(launch))
-    _lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
+    lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
     atexit.unregister(free_trials_at_exit)  # once, however often run is called
     atexit.register(free_trials_at_exit)
     if launch.kind == "single":
-        _lightning_compat.before_children_start(_prepare_children)
+        lightning_compat.before_children_start(_prepare_children)
     with rt.activated():
         if launch.kind == "single":
             _lead(rt, fn, pipeline_space, kwargs)
@@ -145,13 +148,13 @@ def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict
 
     # Absolute from the start: the user's function may chdir, and the trial is recorded
     # (by NePS, or by us after an interrupt) in the root the search started in.
-    root = Path(kwargs.get("root_directory", _neps_compat.ROOT_DIRECTORY_DEFAULT)).resolve()
+    root = Path(kwargs.get("root_directory", neps_compat.ROOT_DIRECTORY_DEFAULT)).resolve()
     kwargs = {**kwargs, "root_directory": root}
     # Every NePS lock taken in this process, by us or by NePS before neps.run sets it, is
     # the kind neps.run uses (a flock does not exclude another worker's lockf).
-    _neps_compat.use_neps_locking()
-    guard = RootGuard(root, rt.tag, rt.settings.root_lock_timeout_s)
-    leases = Leases(root, rt.settings, lambda: rt.tag)
+    neps_compat.use_neps_locking()
+    guard = RootGuard(root, rt.settings.root_lock_timeout_s)
+    leases = Leases(root, rt.settings)
 
     @functools.wraps(fn)
     def first_trial_releases(*args: Any, **fn_kwargs: Any) -> Any:
@@ -160,7 +163,7 @@ def _lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict
 
     wrapped = leader.wrap(rt, first_trial_releases, root, leases)
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
-        _lightning_compat.before_observer_kills(lambda: leader.let_leader_record(rt, root, leases))
+        lightning_compat.before_observer_kills(lambda: leader.let_leader_record(rt, root, leases))
     try:
         with sigterm_raises():
             guard.acquire()

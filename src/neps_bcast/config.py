@@ -102,7 +102,7 @@ class Settings:
     heartbeat_s: float = 30.0
     lease_grace_s: float = 300.0
     max_retries: str = "3"
-    """A count, parsed (and checked) by ``neps_bcast.lease_record.retry_limit``."""
+    """A count, parsed (and checked) by ``neps_bcast.recovery.lease_file.retry_limit``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from neps_bcast.messages import ErrorRecord
+    from neps_bcast.transport.messages import ErrorRecord
 
 
 class NepsBcastError(RuntimeError):

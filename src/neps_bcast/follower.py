@@ -6,9 +6,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from neps_bcast.messages import StopMessage, TrialMessage
-from neps_bcast.protocol import evaluate_once
 from neps_bcast.runtime import Runtime
+from neps_bcast.transport.messages import StopMessage, TrialMessage
+from neps_bcast.trial import evaluate_once
 
 
 def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> None:

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from neps_bcast import _neps_compat
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.errors import FollowerLostError, TrialFailedError, first_line, format_message
-from neps_bcast.lease import Leases
-from neps_bcast.messages import ErrorRecord, TrialMessage
-from neps_bcast.protocol import Outcome, evaluate_once, failure_text
+from neps_bcast.recovery.lease import Leases
+from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
-from neps_bcast.signals import Terminated
+from neps_bcast.transport.messages import ErrorRecord, TrialMessage
+from neps_bcast.trial import Outcome, evaluate_once, failure_text
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""
@@ -66,7 +66,7 @@ def evaluate_on_group(
     recording it crashed; and, once it ended, orphans of other leaders are handed back
     before NePS chooses the next trial.
     """
-    info = _neps_compat.current_trial()
+    info = neps_compat.current_trial()
     if leases is not None and info.pipeline_directory is not None:
         leases.take(info.trial_id, info.pipeline_directory)
     try:
@@ -92,7 +92,7 @@ def _hand_and_evaluate(
     kwargs: dict[str, Any],
     root_directory: Path,
     leases: Leases | None,
-    info: _neps_compat.NepsTrialInfo,
+    info: neps_compat.NepsTrialInfo,
 ) -> Outcome:
     rt.seq += 1
     message = TrialMessage(
@@ -128,7 +128,7 @@ def _hand_and_evaluate(
                 exc.code,
             )
         else:
-            _neps_compat.record_crashed(
+            neps_compat.record_crashed(
                 info.trial_id,
                 root_directory,
                 RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
@@ -174,7 +174,7 @@ def _recover_orphans(rt: Runtime, leases: Leases) -> None:
 
 def _abort(
     rt: Runtime,
-    info: _neps_compat.NepsTrialInfo,
+    info: neps_compat.NepsTrialInfo,
     root_directory: Path,
     leases: Leases | None,
     exc: FollowerLostError,
@@ -184,7 +184,7 @@ def _abort(
         what = leases.give_back(info.trial_id, info.pipeline_directory, first_line(exc))
         rt.log(logging.WARNING, "trial %s: %s", info.trial_id, what)
     else:
-        _neps_compat.record_crashed(info.trial_id, root_directory, exc)
+        neps_compat.record_crashed(info.trial_id, root_directory, exc)
     rt.settled.set()
     raise SearchAborted(exc) from exc
 
@@ -206,4 +206,4 @@ def let_leader_record(rt: Runtime, root_directory: Path, leases: Leases | None =
         if leases is not None and directory is not None:
             leases.give_back(run.message.trial_id, Path(directory), first_line(error))
         else:
-            _neps_compat.record_crashed(run.message.trial_id, root_directory, error)
+            neps_compat.record_crashed(run.message.trial_id, root_directory, error)

@@ -3,7 +3,7 @@
 A ``Runtime`` ties together who this rank is (``launch``, ``settings``), its link to the
 group (``link``: store and channel), the user's DDP group (``group``) and the trial being
 evaluated (``current``, a ``protocol.TrialRun``). It sends and receives the leader's
-messages and gathers the ranks' reports; the per-trial protocol is in ``protocol.py``.
+messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from neps_bcast import _log
-from neps_bcast.auth import Signer, new_secret, secret_text
-from neps_bcast.channel import ChannelClosedError
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
+from neps_bcast.ddp.group import UserGroup, group_connections
 from neps_bcast.errors import (
     AuthError,
     FollowerLostError,
@@ -27,14 +25,15 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.group import UserGroup, group_connections
-from neps_bcast.identity import Identity
-from neps_bcast.launch import Launch
-from neps_bcast.link import Link
-from neps_bcast.messages import Message, Report, StopMessage, TrialMessage, decode, encode
+from neps_bcast.log import logger, role_tag
+from neps_bcast.startup.launch import Launch
+from neps_bcast.transport.auth import Signer, new_secret, secret_text
+from neps_bcast.transport.channel import ChannelClosedError
+from neps_bcast.transport.link import Link
+from neps_bcast.transport.messages import Message, Report, StopMessage, TrialMessage, decode, encode
 
 if TYPE_CHECKING:
-    from neps_bcast.protocol import TrialRun
+    from neps_bcast.trial import TrialRun
 
 _CHANNEL = "channel"
 """Authentication context of every message on the control channel."""
@@ -58,8 +57,8 @@ class Runtime:
         # once it exists (before that, joining the channel would deadlock with the
         # leader's init_process_group).
         known = launch.world_size if launch.kind == "external" else None
-        self.group = UserGroup(self.group_rank, known, lambda: self.tag)
-        self.link = Link(self.group_rank, self.settings, lambda: self.tag, self.signer)
+        self.group = UserGroup(self.group_rank, known)
+        self.link = Link(self.group_rank, self.settings, self.signer)
         self._first: tuple[int, bytes] | None = None
         """Leader before its group exists: the trial Lightning's children will start with."""
         self._set_env: list[str] = []
@@ -75,10 +74,10 @@ class Runtime:
 
     @property
     def tag(self) -> str:
-        return Identity(self.group_rank, self.world_size).tag
+        return role_tag(self.group_rank, self.world_size)
 
     def log(self, level: int, message: str, *args: object) -> None:
-        _log.log(level, self.tag, message, *args)
+        logger.log(level, message, *args)
 
     @contextmanager
     def activated(self) -> Iterator[Runtime]:
@@ -137,7 +136,7 @@ class Runtime:
     def prepare_children(self) -> None:
         """Leader, just before Lightning starts its children: leave them the trial.
 
-        Runs in Lightning's launcher (``_lightning_compat.before_children_start``), so a
+        Runs in Lightning's launcher (``compat.lightning.before_children_start``), so a
         search whose function never starts child processes never serves a store.
         """
         if self._first is None or self.link.channel is not None:

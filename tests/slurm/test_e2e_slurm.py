@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from harness import MARKER, PYTHON, SEARCH, base_env, marked_pids, neps_trials, read_records
-from neps_bcast import _procfs
-from neps_bcast.lease_record import read_lease
+from neps_bcast.compat import procfs
+from neps_bcast.recovery.lease_file import read_lease
 from scenario import ENV, Fault, Scenario
 
 HERE = Path(__file__).parent
@@ -186,7 +186,7 @@ class Cluster:
             except AssertionError:
                 left += marked_pids(job.marker)
                 for pid in marked_pids(job.marker):
-                    _procfs.kill(pid)
+                    procfs.kill(pid)
         assert not left, f"processes left after the jobs ended (killed now): {left}"
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from neps_bcast import _procfs
+from neps_bcast.compat import procfs
 from neps_bcast.launcher import status
 from neps_bcast.launcher.plan import ENV_LAUNCH_ID, TAG, GroupPlan, LaunchPlan, group_environment
 
@@ -207,15 +207,15 @@ def _tail(path: Path, n: int) -> str:
 
 
 def left_of_launch(launch_id: str) -> list[int]:
-    return _procfs.pids_with_env(ENV_LAUNCH_ID, launch_id)
+    return procfs.pids_with_env(ENV_LAUNCH_ID, launch_id)
 
 
 def _kill_everything(groups: Sequence[Group], launch_id: str) -> None:
     for g in groups:
         if g.proc.poll() is None:
-            _procfs.kill(g.proc.pid)
+            procfs.kill(g.proc.pid)
     for pid in left_of_launch(launch_id):
-        _procfs.kill(pid)
+        procfs.kill(pid)
 
 
 @dataclass(frozen=True)
@@ -293,7 +293,7 @@ class Launcher:
         )
         for g in self.groups:
             if g.proc.poll() is None:
-                _procfs.kill(g.proc.pid, signal.SIGTERM)
+                procfs.kill(g.proc.pid, signal.SIGTERM)
         self.stop_deadline = now + self.settings.stop_timeout_s
 
     def _exit_status(self) -> int:
@@ -325,11 +325,11 @@ def _clean_up(launch_id: str, settings: Settings) -> list[int]:
     if not left:
         return []
     for pid in left:
-        _procfs.kill(pid, signal.SIGTERM)
+        procfs.kill(pid, signal.SIGTERM)
     until = time.monotonic() + min(settings.stop_timeout_s, 10.0)
     while left and time.monotonic() < until:
         time.sleep(0.1)  # bounded: processes exiting after SIGTERM
         left = left_of_launch(launch_id)
     for pid in left:
-        _procfs.kill(pid)
+        procfs.kill(pid)
     return left

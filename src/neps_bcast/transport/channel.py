@@ -28,8 +28,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _torch_compat as tc
-from neps_bcast.store import Keys, prefixed
+from neps_bcast.compat import torch as tc
+from neps_bcast.transport.store import Keys, prefixed
 
 BROADCAST_FRAME = 4096
 """Bytes of a broadcast's first frame: a trial of usual size travels whole in it."""

@@ -40,7 +40,7 @@ def current_trial() -> NepsTrialInfo:
     )
 
 
-# -- the NePS root directory (used by neps_bcast.root_guard) ---------------------------
+# -- the NePS root directory (used by neps_bcast.recovery.root_lock) ---------------------------
 ROOT_DIRECTORY_DEFAULT = "neps_results"
 """``neps.run``'s default ``root_directory``."""
 
@@ -107,7 +107,7 @@ def record_crashed(trial_id: str, root_directory: Path, error: BaseException) ->
         save_pipeline_results({"exception": exc}, trial_id, root)
 
 
-# -- trial leases (used by neps_bcast.lease) -------------------------------------------
+# -- trial leases (used by neps_bcast.recovery.lease) -------------------------------------------
 # NePS 0.17 only hands out `pending` trials and has no heartbeat: a trial whose worker
 # died stays `evaluating` for ever. neps_bcast puts such a trial back to `pending`, under
 # NePS's own trial lock, with NePS's own ``Trial.reset`` (which keeps the id, config,

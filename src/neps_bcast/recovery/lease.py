@@ -35,13 +35,14 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from neps_bcast import _log, _neps_compat
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import Settings
-from neps_bcast.lease_record import (
+from neps_bcast.log import logger
+from neps_bcast.recovery.lease_file import (
     Attempt,
     Lease,
     Owner,
@@ -55,9 +56,8 @@ from neps_bcast.lease_record import (
 class Leases:
     """This leader's lease on the trial it evaluates, and the orphans it hands back."""
 
-    def __init__(self, root_directory: Path, settings: Settings, tag: Callable[[], str]) -> None:
+    def __init__(self, root_directory: Path, settings: Settings) -> None:
         self.root = Path(root_directory)
-        self._tag = tag
         self.heartbeat_s = settings.heartbeat_s
         self.grace_s = settings.lease_grace_s
         self.max_retries = retry_limit(settings)
@@ -69,7 +69,7 @@ class Leases:
         self._thread: threading.Thread | None = None
 
     def log(self, level: int, message: str, *args: object) -> None:
-        _log.log(level, self._tag(), message, *args)
+        logger.log(level, message, *args)
 
     # -- this leader's own trial ------------------------------------------------
     def take(self, trial_id: str, trial_dir: Path) -> None:
@@ -128,7 +128,7 @@ class Leases:
         pending, or crashed once it was interrupted more than the retry limit. Returns
         what became of it."""
         self.drop()
-        with _neps_compat.locked_trials(self.root) as book:
+        with neps_compat.locked_trials(self.root) as book:
             if book is None or book.state_of(trial_id) != "evaluating":
                 return "left as NePS has it"
             lease = read_lease(trial_dir) or Lease(trial_id, self.me, time.time(), time.time())
@@ -141,7 +141,7 @@ class Leases:
     def recover_orphans(self) -> list[str]:
         """Put back every trial whose owner is provably gone; what was done, per trial."""
         done = []
-        with _neps_compat.locked_trials(self.root) as book:
+        with neps_compat.locked_trials(self.root) as book:
             if book is None:
                 return []
             now = time.time()
@@ -184,7 +184,7 @@ class Leases:
 
     def _hand_back(
         self,
-        book: _neps_compat.TrialBook,
+        book: neps_compat.TrialBook,
         trial_id: str,
         trial_dir: Path,
         lease: Lease,

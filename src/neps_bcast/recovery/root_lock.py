@@ -20,7 +20,7 @@ that space from disk (``pipeline_space=None``, NePS's documented way to continue
 instead of comparing pickles. A space that really differs is passed on unchanged, and
 NePS's own error explains it. Only neps_bcast leaders take this lock: start every worker
 with ``neps_bcast.run``. The lock is the kind NePS itself locks its state with
-(``_neps_compat.lock_kind``: ``lockf`` unless ``NEPS_LINUX_FILELOCK_FUNCTION`` says
+(``neps_compat.lock_kind``: ``lockf`` unless ``NEPS_LINUX_FILELOCK_FUNCTION`` says
 ``flock``), so it works wherever NePS's own locking works (NFS, Lustre); the lock file is
 created owner-only (0600), opened for writing only because ``lockf`` needs it (read-only
 with ``flock``).
@@ -35,17 +35,15 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from neps_bcast import _log, _neps_compat
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.log import logger, rank_tag
 
 
 class RootGuard:
-    def __init__(
-        self, root_directory: str | os.PathLike[str], tag: str, timeout_s: float = 600.0
-    ) -> None:
+    def __init__(self, root_directory: str | os.PathLike[str], timeout_s: float = 600.0) -> None:
         self.root = Path(root_directory)
         self.lock_path = self.root.parent / f".{self.root.name}.neps_bcast.lock"
-        self.tag = tag
         self.timeout_s = timeout_s
         self._file: IO[bytes] | None = None
         self._kind = "lockf"
@@ -54,7 +52,7 @@ class RootGuard:
         timeout = self.timeout_s
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
         # Owner-only; an exclusive lockf needs a descriptor open for writing, flock does not.
-        self._kind = _neps_compat.lock_kind()
+        self._kind = neps_compat.lock_kind()
         mode = os.O_RDWR if self._kind == "lockf" else os.O_RDONLY
         fd = os.open(self.lock_path, mode | os.O_CREAT | os.O_CLOEXEC, 0o600)
         handle = os.fdopen(fd, "r+b" if self._kind == "lockf" else "rb")
@@ -69,7 +67,7 @@ class RootGuard:
                     handle.close()
                     raise LaunchError(
                         format_message(
-                            self.tag,
+                            rank_tag(),
                             f"another NePS worker has held {self.lock_path} for more than"
                             f" {timeout:.0f} s while starting on {self.root}; expected it to"
                             " release the lock once NePS gave it its first trial.",
@@ -78,9 +76,8 @@ class RootGuard:
                         )
                     ) from None
                 if not waited:
-                    _log.log(
+                    logger.log(
                         logging.INFO,
-                        self.tag,
                         "waiting for another worker to finish starting on %s",
                         self.root,
                     )
@@ -107,9 +104,8 @@ class RootGuard:
         if overwrite:
             return pipeline_space
         if self.root.is_dir() and not any(self.root.iterdir()):
-            _log.log(
+            logger.log(
                 logging.INFO,
-                self.tag,
                 "removing the empty root %s so that NePS creates it afresh",
                 self.root,
             )
@@ -117,15 +113,14 @@ class RootGuard:
             return pipeline_space
         if pipeline_space is None:
             return None
-        on_disk = _neps_compat.space_on_disk(self.root)
+        on_disk = neps_compat.space_on_disk(self.root)
         if on_disk is None:
             return pipeline_space
-        mine = _neps_compat.classic_parameters(_neps_compat.classic_form(pipeline_space))
-        theirs = _neps_compat.classic_parameters(on_disk)
+        mine = neps_compat.classic_parameters(neps_compat.classic_form(pipeline_space))
+        theirs = neps_compat.classic_parameters(on_disk)
         if mine is not None and mine == theirs:
-            _log.log(
+            logger.log(
                 logging.INFO,
-                self.tag,
                 "continuing with the equivalent search space saved in %s",
                 self.root,
             )

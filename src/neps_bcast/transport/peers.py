@@ -2,7 +2,7 @@
 
 Every rank publishes itself on the leader's store as soon as it reaches it (the leader
 when it serves it; a Lightning child before Lightning's rendezvous), so that from the
-first trial on any rank can tell which connections lead to its peers (``group.py``)
+first trial on any rank can tell which connections lead to its peers (``ddp/group.py``)
 and the leader can say how a lost follower ended: "signal 9 (SIGKILL)" beats "process
 died". A follower that is this process's child (Lightning's launcher) is inspected
 with ``waitid(WNOWAIT)``, which reads its exit status and leaves it to Lightning to
@@ -18,10 +18,11 @@ import socket
 import time
 from dataclasses import dataclass
 
-from neps_bcast import _procfs, sockets
-from neps_bcast._torch_compat import Store
-from neps_bcast.auth import Signer
-from neps_bcast.store import Keys, put_json, take_json
+from neps_bcast.compat import procfs
+from neps_bcast.compat.torch import Store
+from neps_bcast.transport import sockets
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.store import Keys, put_json, take_json
 
 EXIT_STATUS_WAIT_S = 2.0
 """How long the leader waits for a lost child's exit status before describing it."""
@@ -96,14 +97,14 @@ class Peers:
         this process's parent (a child's leader) or its child processes (the leader's)."""
         here = socket.gethostname()
         if launch_kind == "lightning_child":
-            stat = _procfs.read_stat(os.getpid())
+            stat = procfs.read_stat(os.getpid())
             return [Peer(0, here, stat.ppid)] if stat is not None else []
         if launch_kind == "single":
             me = os.getpid()
             children = [
                 pid
-                for pid in _procfs.all_pids()
-                if (st := _procfs.read_stat(pid)) is not None and st.ppid == me
+                for pid in procfs.all_pids()
+                if (st := procfs.read_stat(pid)) is not None and st.ppid == me
             ]
             return [Peer(-1, here, pid) for pid in children]
         return []
@@ -121,7 +122,7 @@ class Peers:
 
 
 def _how_it_ended(pid: int) -> str | None:
-    stat = _procfs.read_stat(pid)
+    stat = procfs.read_stat(pid)
     if stat is not None and stat.ppid == os.getpid():
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S
         while True:
@@ -136,6 +137,6 @@ def _how_it_ended(pid: int) -> str | None:
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.02)  # bounded: the peer's connections closed, its exit follows
-    if not _procfs.is_alive(pid):
+    if not procfs.is_alive(pid):
         return "its process is gone"
     return None

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from neps_bcast import _torch_compat as _tc
-from neps_bcast import auth, rendezvous
+from neps_bcast.compat import torch as _tc
 from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.rendezvous import Meeting
 from neps_bcast.runtime import Runtime
-from neps_bcast.store import put as store_put
-from neps_bcast.store import take as store_take
+from neps_bcast.startup import rendezvous
+from neps_bcast.startup.rendezvous import Meeting
+from neps_bcast.transport import auth
+from neps_bcast.transport.store import put as store_put
+from neps_bcast.transport.store import take as store_take
 
 
 def start(rt: Runtime, fingerprint: dict[str, str]) -> None:

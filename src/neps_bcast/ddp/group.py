@@ -33,10 +33,12 @@ from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
-from neps_bcast import _log, _torch_compat, sockets
+from neps_bcast.compat import torch as torch_compat
 from neps_bcast.errors import ProtocolError, format_message
-from neps_bcast.peers import Peer
-from neps_bcast.store import Keys, prefixed
+from neps_bcast.log import logger, rank_tag
+from neps_bcast.transport import sockets
+from neps_bcast.transport.peers import Peer
+from neps_bcast.transport.store import Keys, prefixed
 
 
 def group_connections(
@@ -122,14 +124,13 @@ def free_trials_at_exit() -> None:
 class UserGroup:
     """What this rank knows of the user's group, and the three things done to it."""
 
-    def __init__(self, group_rank: int, world_size: int | None, tag: Callable[[], str]) -> None:
+    def __init__(self, group_rank: int, world_size: int | None) -> None:
         self.group_rank = group_rank
         self.world_size = world_size
         """``None`` until the group exists (a Lightning leader before its first fit)."""
         self.backend: str | None = None
         self.broken = False
         self.generation = 0
-        self._tag = tag
 
     @staticmethod
     def exists() -> bool:
@@ -148,7 +149,7 @@ class UserGroup:
         if fixed_size and self.world_size is not None and size != self.world_size:
             raise ProtocolError(
                 format_message(
-                    self._tag(),
+                    rank_tag(),
                     f"the DDP group now has {size} ranks, but this search started on"
                     f" {self.world_size}.",
                     "every trial must use the same number of processes"
@@ -158,7 +159,7 @@ class UserGroup:
         if rank != self.group_rank and not (single and rank == 0):
             raise ProtocolError(
                 format_message(
-                    self._tag(),
+                    rank_tag(),
                     f"torch.distributed says this process is rank {rank}, but the"
                     f" launch made it rank {self.group_rank}.",
                     "do not change RANK/LOCAL_RANK between neps_bcast.run and fit.",
@@ -173,14 +174,14 @@ class UserGroup:
         exists = self.exists()
         if exists and self.backend == "nccl":
             with contextlib.suppress(Exception):
-                _torch_compat.abort_nccl()
+                torch_compat.abort_nccl()
         shut = sockets.shutdown(connections())
-        _log.log(logging.DEBUG, self._tag(), "shut %d connection(s) of the DDP group", shut)
+        logger.log(logging.DEBUG, "shut %d connection(s) of the DDP group", shut)
         if exists:
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group may fail to close
-                _log.log(logging.DEBUG, self._tag(), "destroy failed", exc_info=True)
+                logger.log(logging.DEBUG, "destroy failed", exc_info=True)
         gc.collect()
         self.broken = True
 
@@ -191,7 +192,7 @@ class UserGroup:
         """Leader, before handing a trial: the generation to form it as, if it must be."""
         return self.generation + 1 if self.needs_reform() else None
 
-    def reform(self, store: _torch_compat.Store, generation: int) -> None:
+    def reform(self, store: torch_compat.Store, generation: int) -> None:
         """Form the group again, as the leader said, before a trial.
 
         Uses the leader's store under the generation's own prefix, so no stale
@@ -202,19 +203,18 @@ class UserGroup:
         if self.world_size is None:
             raise ProtocolError(
                 format_message(
-                    self._tag(),
+                    rank_tag(),
                     "asked to form the DDP group again before its size is known.",
                     "this is a bug in neps_bcast; please report it with every rank's log.",
                 )
             )
         if self.exists():
             dist.destroy_process_group()
-        _torch_compat.reset_group_names()  # a failed init left it one up
+        torch_compat.reset_group_names()  # a failed init left it one up
         self.generation = generation
         backend = self.backend or "gloo"
-        _log.log(
+        logger.log(
             logging.INFO,
-            self._tag(),
             "re-forming the DDP group (%s, generation %d)",
             backend,
             self.generation,

@@ -7,7 +7,7 @@ a pending operation (measured, torch 2.13 and 2.14). Shutting the group's connec
 makes every peer's pending collective fail within milliseconds with gloo's "Connection
 closed by peer", exactly as if this rank had died, while this process lives on to
 report the error and to join the next trial on a fresh group. Which connections are
-the group's is decided in ``group.py``; this module only reads and shuts.
+the group's is decided in ``ddp/group.py``; this module only reads and shuts.
 """
 
 from __future__ import annotations

@@ -16,21 +16,19 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 
-from neps_bcast import _log, peers, sockets, store, watchdog
-from neps_bcast._torch_compat import TCPStore
-from neps_bcast.auth import Signer
-from neps_bcast.channel import Channel, ChannelClosedError, GlooChannel, JoinTimeoutError
+from neps_bcast.compat.torch import TCPStore
 from neps_bcast.config import Settings
 from neps_bcast.errors import LeaderLostError, ProtocolError, format_message
+from neps_bcast.log import logger, rank_tag
+from neps_bcast.transport import peers, sockets, store, watchdog
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.channel import Channel, ChannelClosedError, GlooChannel, JoinTimeoutError
 
 
 class Link:
-    def __init__(
-        self, group_rank: int, settings: Settings, tag: Callable[[], str], signer: Signer
-    ) -> None:
+    def __init__(self, group_rank: int, settings: Settings, signer: Signer) -> None:
         self.group_rank = group_rank
         self.settings = settings
-        self._tag = tag
         self.signer = signer
         self.loopback = True
         """Serve the store on loopback only (every rank is on this host)."""
@@ -74,7 +72,6 @@ class Link:
                 self.watch = watchdog.LeaderWatch(
                     address,
                     self.group_rank,
-                    self._tag,
                     lambda: self.stopping,
                     self.settings,
                     self.signer,
@@ -83,7 +80,7 @@ class Link:
         except Exception as exc:
             raise LeaderLostError(
                 format_message(
-                    self._tag(),
+                    rank_tag(),
                     f"cannot reach the leader's store at {address}: {exc}.",
                     "the leader process has probably exited; see its log.",
                 )
@@ -95,7 +92,7 @@ class Link:
         if self.channel is not None:
             return self.channel
         assert self.store is not None
-        _log.log(logging.DEBUG, self._tag(), "joining the control channel")
+        logger.log(logging.DEBUG, "joining the control channel")
         try:
             with self.own_connections(), _eager_gloo():
                 self.channel = GlooChannel.join(
@@ -108,7 +105,7 @@ class Link:
         except JoinTimeoutError as exc:
             raise ProtocolError(
                 format_message(
-                    self._tag(),
+                    rank_tag(),
                     f"ranks {exc.missing} of {world_size} never reached the end of"
                     " their first trial.",
                     "every rank must call neps_bcast.run and run the same"
@@ -117,7 +114,7 @@ class Link:
             ) from exc
         except ChannelClosedError as exc:
             raise lost(exc) from exc
-        _log.log(logging.INFO, self._tag(), "control channel up (%d ranks)", world_size)
+        logger.log(logging.INFO, "control channel up (%d ranks)", world_size)
         return self.channel
 
     def leave_trial_for_children(self, seq: int, payload: bytes) -> str:

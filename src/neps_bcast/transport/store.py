@@ -20,11 +20,11 @@ import json
 import logging
 import socket
 
-from neps_bcast import _log
-from neps_bcast._torch_compat import PrefixStore, Store, TCPStore, set_bytes
-from neps_bcast.auth import Signer
+from neps_bcast.compat.torch import PrefixStore, Store, TCPStore, set_bytes
 from neps_bcast.errors import AuthError
-from neps_bcast.messages import ErrorRecord
+from neps_bcast.log import logger
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.messages import ErrorRecord
 
 PREFIX = "neps_bcast"
 
@@ -131,10 +131,9 @@ class ErrorBoard:
     trip, so the record has landed); any rank reads every record of the trial.
     """
 
-    def __init__(self, store: Store, signer: Signer, tag: str) -> None:
+    def __init__(self, store: Store, signer: Signer) -> None:
         self.store = store
         self.signer = signer
-        self.tag = tag
 
     def publish(self, seq: int, record: ErrorRecord) -> None:
         put(self.store, self.signer, Keys.error(seq, record.group_rank), record.to_json())
@@ -151,7 +150,7 @@ class ErrorBoard:
             try:
                 record = ErrorRecord.from_json(take(self.store, self.signer, key))
             except AuthError as exc:
-                _log.log(logging.ERROR, self.tag, "%s", exc)  # refused, and said so
+                logger.log(logging.ERROR, "%s", exc)  # refused, and said so
                 continue
             if record is not None and record.group_rank == group_rank:
                 found.append(record)

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from neps_bcast._neps_compat import INJECTED_ARGUMENTS
-from neps_bcast._torch_compat import is_peer_closed
+from neps_bcast.compat.neps import INJECTED_ARGUMENTS
+from neps_bcast.compat.torch import is_peer_closed
 from neps_bcast.errors import (
     NepsBcastError,
     ProtocolError,
@@ -32,8 +32,8 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.messages import ErrorRecord, Phase, Report, TrialMessage
-from neps_bcast.store import ErrorBoard
+from neps_bcast.transport.messages import ErrorRecord, Phase, Report, TrialMessage
+from neps_bcast.transport.store import ErrorBoard
 
 if TYPE_CHECKING:
     from neps_bcast.runtime import Runtime
@@ -122,7 +122,7 @@ class TrialRun:
 
     def _board(self) -> ErrorBoard | None:
         store = self.rt.link.store
-        return ErrorBoard(store, self.rt.signer, self.rt.tag) if store is not None else None
+        return ErrorBoard(store, self.rt.signer) if store is not None else None
 
     def _publish(self, record: ErrorRecord) -> None:
         board = self._board()

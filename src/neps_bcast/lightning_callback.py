@@ -23,9 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import _lightning_compat, runtime
+from neps_bcast import runtime
+from neps_bcast.compat import lightning as lightning_compat
+from neps_bcast.ddp.group import free_trials_at_exit
 from neps_bcast.errors import ProtocolError, format_message
-from neps_bcast.group import free_trials_at_exit
 
 _CHECKS: dict[str, type] = {}
 DRAIN_TIMEOUT = datetime.timedelta(seconds=60)
@@ -64,7 +65,7 @@ def _check_class(package: str) -> type:
             before finalization (``group.free_trials_at_exit``, as ``run`` registers
             in the processes it runs in).
             """
-            if runtime.active() is not None or not _lightning_compat.is_spawn_launcher(
+            if runtime.active() is not None or not lightning_compat.is_spawn_launcher(
                 trainer.strategy, package
             ):
                 return

@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from neps_bcast import _log, _procfs
+from neps_bcast.compat import procfs
 from neps_bcast.config import Settings
 from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.log import logger
 
 LEASE_FILE = ".neps_bcast_lease.json"
 """The lease's name inside the trial's directory (hidden: it is ours, not the user's)."""
@@ -56,7 +57,7 @@ class Owner:
             boot_id=_boot_id(),
             pid_namespace=_pid_namespace(),
             pid=pid,
-            start_ticks=_procfs.start_ticks(pid) or 0,
+            start_ticks=procfs.start_ticks(pid) or 0,
         )
 
     def shares_machine_with(self, other: Owner) -> bool:
@@ -126,7 +127,7 @@ def read_lease(trial_dir: Path) -> Lease | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        _log.log(logging.WARNING, "neps_bcast lease", "ignoring %s: %s", trial_dir, exc)
+        logger.log(logging.WARNING, "ignoring %s: %s", trial_dir, exc)
         return None
 
 
@@ -150,8 +151,8 @@ def why_dead(
             )
         return None
     if me.shares_machine_with(owner):
-        ticks = _procfs.start_ticks(owner.pid)
-        if ticks is None or not _procfs.is_alive(owner.pid):
+        ticks = procfs.start_ticks(owner.pid)
+        if ticks is None or not procfs.is_alive(owner.pid):
             return f"its leader ({owner.describe()}) is gone"
         if ticks != owner.start_ticks:
             return f"its leader ({owner.describe()}) is gone; that pid is another process now"

@@ -29,9 +29,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import _torch_compat as tc
+from neps_bcast.compat import torch as tc
 from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.launch import Launch
+from neps_bcast.log import role_tag
+from neps_bcast.startup.launch import Launch
 
 FINGERPRINT_KWARGS = (
     "root_directory",
@@ -243,5 +244,4 @@ def _lost(launch: Launch, exc: BaseException) -> LaunchError:
 
 
 def _tag(launch: Launch) -> str:
-    role = "leader" if launch.global_rank == 0 else "follower"
-    return f"neps_bcast rank {launch.global_rank}/{launch.world_size} {role}"
+    return role_tag(launch.global_rank, launch.world_size)

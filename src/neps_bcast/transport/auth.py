@@ -24,6 +24,7 @@ import secrets
 from collections.abc import Mapping
 
 from neps_bcast.errors import AuthError, format_message
+from neps_bcast.log import rank_tag
 
 ENV_SECRET = "NEPS_BCAST_SECRET"  # noqa: S105 - a variable name, not a secret
 TAG_BYTES = 32
@@ -49,9 +50,8 @@ def secret_text(secret: bytes) -> str:
 class Signer:
     """Tags values with the search's secret and checks the tags of what it reads."""
 
-    def __init__(self, secret: bytes, tag: str = "neps_bcast") -> None:
+    def __init__(self, secret: bytes) -> None:
         self._key = secret
-        self._tag = tag
 
     def use(self, secret: bytes) -> None:
         """Switch to the search's secret (external launches agree on it after meeting)."""
@@ -77,7 +77,7 @@ class Signer:
             return value
         raise AuthError(
             format_message(
-                self._tag,
+                rank_tag(),
                 f"refused the value under {context!r}: it does not carry this search's"
                 " authentication tag (nothing in it was used).",
                 "another process wrote to neps_bcast's store or channel, or the ranks were"

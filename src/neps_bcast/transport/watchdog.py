@@ -23,11 +23,12 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from neps_bcast import _log, store
-from neps_bcast._torch_compat import Store
-from neps_bcast.auth import Signer
+from neps_bcast.compat.torch import Store
 from neps_bcast.config import Settings
 from neps_bcast.errors import AuthError
+from neps_bcast.log import logger
+from neps_bcast.transport import store
+from neps_bcast.transport.auth import Signer
 
 GRACE_S = 3.0
 """Time the follower's own code gets to notice the loss before the watch ends it."""
@@ -46,14 +47,12 @@ class LeaderWatch:
         self,
         address: str,
         group_rank: int,
-        tag: Callable[[], str],
         is_done: Callable[[], bool],
         settings: Settings,
         signer: Signer,
     ) -> None:
         self.address = address
         self.group_rank = group_rank
-        self._tag = tag
         self._is_done = is_done
         self._released = threading.Event()
         self._signer = signer
@@ -73,7 +72,7 @@ class LeaderWatch:
                 store.take(self._store, self._signer, key)
             except AuthError as exc:
                 # Someone else set the key: ignore it (and say so), keep watching.
-                _log.log(logging.ERROR, self._tag(), "%s", exc)
+                logger.log(logging.ERROR, "%s", exc)
                 self._store.delete_key(key)
                 continue
             except dist.DistStoreError as exc:
@@ -86,9 +85,8 @@ class LeaderWatch:
                 return  # released: the search is over, or this follower is leaving
         if self._is_done() or self._released.wait(GRACE_S) or self._is_done():
             return
-        _log.log(
+        logger.log(
             logging.ERROR,
-            self._tag(),
             "lost the leader (rank 0): its store at %s closed the connection, and"
             " this process was still waiting %.0f s later (in a rendezvous or a"
             " collective). Exiting with code 1 (LeaderLostError). HINT: the leader"
@@ -96,7 +94,7 @@ class LeaderWatch:
             self.address,
             GRACE_S,
         )
-        for handler in logging.getLogger().handlers + _log.logger.handlers:
+        for handler in logging.getLogger().handlers + logger.logger.handlers:
             handler.flush()
         os._exit(1)
 
