@@ -6,41 +6,20 @@
   process session of their own, so a session-based scan could miss them);
 - ``describe``: which rank a process is, for the CPU timelines.
 
-The supervisor imports this module, so it stays light: ``_procfs`` is loaded from its file
-rather than through ``import neps_bcast.compat.procfs``, which would run ``neps_bcast/__init__``
-and import torch (~1.5 CPU-seconds for each of the ~20 supervisors of a quick run).
+The supervisor imports this module, so it stays light: ``neps_bcast.compat.procfs`` is
+stdlib only, and importing the ``neps_bcast`` package does not import torch.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 import uuid
-from pathlib import Path
-from types import ModuleType
+
+from neps_bcast.compat import procfs
 
 LAUNCH_MARKER = "BENCH_LAUNCH"
 ROLE_VARIABLE = "BENCH_ROLE"
 
-
-def _load_procfs() -> ModuleType:
-    """``neps_bcast/_procfs.py`` (stdlib only) without importing the ``neps_bcast`` package."""
-    package = importlib.util.find_spec("neps_bcast")
-    if package is None or not package.submodule_search_locations:
-        raise ImportError("neps_bcast is not installed: run `make install`")
-    path = Path(next(iter(package.submodule_search_locations))) / "_procfs.py"
-    spec = importlib.util.spec_from_file_location("neps_bcast_procfs", path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-procfs = _load_procfs()
-"""``neps_bcast.compat.procfs``: read_stat, is_alive, environ, cmdline, pids_with_env, kill."""
 
 SCRUBBED_VARIABLES = (
     "RANK",

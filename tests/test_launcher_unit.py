@@ -201,16 +201,17 @@ def test_each_group_is_one_standalone_torchrun(script: Path) -> None:
         (),
     )
     cmd = groups.torchrun_command(p.groups[1], p)
-    assert cmd[:7] == [
+    assert cmd[:8] == [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=2",
         "--max-restarts=1",
-        str(groups.RANK_LOG),
+        "--module",
+        "neps_bcast.launcher.rank_log",
     ]
-    assert cmd[7:] == ["1", str((Path("logs") / "group1").resolve()), str(script), "--trials", "4"]
+    assert cmd[8:] == ["1", str((Path("logs") / "group1").resolve()), str(script), "--trials", "4"]
     assert not any("29500" in part or "master-port" in part for part in cmd)
 
 

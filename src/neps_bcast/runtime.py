@@ -25,7 +25,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.log import logger, role_tag
+from neps_bcast.log import logger, role_tag, tagged
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, new_secret, secret_text
 from neps_bcast.transport.channel import ChannelClosedError
@@ -84,7 +84,8 @@ class Runtime:
         global _ACTIVE  # noqa: PLW0603
         previous, _ACTIVE = _ACTIVE, self
         try:
-            yield self
+            with tagged(lambda: self.tag):
+                yield self
         finally:
             _ACTIVE = previous
 

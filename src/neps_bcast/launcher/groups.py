@@ -32,14 +32,15 @@ from neps_bcast.compat import procfs
 from neps_bcast.launcher import status
 from neps_bcast.launcher.plan import ENV_LAUNCH_ID, TAG, GroupPlan, LaunchPlan, group_environment
 
-RANK_LOG = Path(__file__).with_name("rank_log.py")
+RANK_LOG_MODULE = "neps_bcast.launcher.rank_log"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
 def torchrun_command(group: GroupPlan, plan: LaunchPlan) -> list[str]:
-    """The command group ``group`` runs: torchrun, starting ``rank_log.py`` per rank,
-    which runs the script with that rank's output in its own log file."""
+    """The command group ``group`` runs: torchrun, starting ``rank_log`` per rank
+    (``--module``: importing ``neps_bcast`` does not import torch), which runs the
+    script with that rank's output in its own log file."""
     return [
         sys.executable,
         "-m",
@@ -47,7 +48,8 @@ def torchrun_command(group: GroupPlan, plan: LaunchPlan) -> list[str]:
         "--standalone",
         f"--nproc-per-node={group.nproc}",
         f"--max-restarts={plan.max_restarts}",
-        str(RANK_LOG),
+        "--module",
+        RANK_LOG_MODULE,
         str(group.index),
         str(group.log_dir.resolve()),
         str(plan.script),

@@ -1,7 +1,8 @@
 """Run one rank's script with its output in a log file of its own, then get out of the way.
 
-torchrun starts this file (by path, so that neither torch nor neps_bcast is imported)
-in place of the user's script, as ``python -u rank_log.py GROUP LOG_DIR SCRIPT ARGS...``.
+torchrun starts this module in place of the user's script, as
+``python -u -m neps_bcast.launcher.rank_log GROUP LOG_DIR SCRIPT ARGS...`` (importing
+``neps_bcast`` does not import torch, so this costs no more than running a file).
 It points its standard output and error at ``LOG_DIR/rank<RANK>.log`` (appended, with
 a header per attempt, so a restarted group keeps the previous attempt's output) and
 ``exec``s ``python -u SCRIPT ARGS...``: the script then runs in this very process (same
@@ -20,7 +21,9 @@ import time
 
 def main(argv: list[str]) -> None:
     if len(argv) < 3:
-        sys.stderr.write("usage: rank_log.py GROUP LOG_DIR SCRIPT [ARGS...]\n")
+        sys.stderr.write(
+            "usage: python -m neps_bcast.launcher.rank_log GROUP LOG_DIR SCRIPT [ARGS...]\n"
+        )
         raise SystemExit(2)
     group, log_dir, script, *args = argv
     rank = os.environ.get("RANK", "0")
