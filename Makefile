@@ -12,7 +12,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test lint bench bench-full clean install-newest test-newest test-slurm
+.PHONY: install demo test lint bench bench-full clean install-newest test-newest test-slurm docs
 
 install: $(STAMP)
 
@@ -65,6 +65,10 @@ bench: install
 
 bench-full: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --full
+
+# docs/configuration.md, generated from neps_bcast.config (tests/test_docs.py checks it is current).
+docs: install
+	$(PY) docs/generate_configuration.py --write
 
 clean:
 	rm -rf $(VENV) $(VENV_NEWEST) results
