@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 HERE = Path(__file__).resolve().parent
+WORKLOADS = HERE / "workloads"
+"""The scripts a benchmark launches (one NePS search, or the channel alone, each)."""
 RESULTS = HERE / "results"
 RAW = RESULTS / "raw"
 """One JSON file per launch (git-ignored): the supervisor's record and the derived result."""

@@ -26,6 +26,7 @@ from configuration import (
     PAYLOAD_BYTES,
     RAW,
     SYSTEMS,
+    WORKLOADS,
     BenchConfig,
     layout_key,
 )
@@ -156,7 +157,7 @@ def measure_channel(world: int, config: BenchConfig, tmp: Path) -> Record:
     result_path = folder / "channel.json"
     cmd = [
         PYTHON,
-        str(HERE / "channel_bench.py"),
+        str(WORKLOADS / "channel_bench.py"),
         *("--world", str(world), "--reps", str(config.channel_reps)),
         *("--payloads", ",".join(map(str, PAYLOAD_BYTES)), "--hold", str(config.hold)),
         *("--out", str(result_path)),
@@ -196,7 +197,7 @@ def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -
     folder.mkdir()
     cmd = [
         PYTHON,
-        str(HERE / "plain_launch.py"),
+        str(WORKLOADS / "plain_launch.py"),
         *("--world", str(world), "--system", system),
         *("--root", str(folder / "root"), "--timings", str(folder / "timings")),
         *("--trials", str(workload.trials), "--optimizer", workload.optimizer),
@@ -245,7 +246,7 @@ def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
     folder.mkdir()
     cmd = [
         PYTHON,
-        str(HERE / "lightning_search.py"),
+        str(WORKLOADS / "lightning_search.py"),
         *("--system", system, "--trials", str(trials)),
         *("--root", str(folder / "root"), "--timings", str(folder / "timings")),
     ]
@@ -322,7 +323,7 @@ def measure_groups(
         *("-m", "neps_bcast", "launch"),
         *("--groups", str(groups), "--nproc-per-group", str(nproc_per_group)),
         *("--log-dir", str(folder / "logs"), "--status-interval", "30"),
-        str(HERE / "groups_search.py"),
+        str(WORKLOADS / "groups_search.py"),
         *("--root", str(folder / "root"), "--trials", str(trials)),
     ]
     # CPU ranks on gloo even where GPUs exist (the launcher would split those among groups).

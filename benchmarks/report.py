@@ -477,7 +477,7 @@ Definitions:
 - *follower CPU while waiting*: the leader sleeps {config.hold} s inside a trial after the
   followers returned; CPU-seconds per wall-second of each follower from `/proc/<pid>/stat`
   (utime+stime, sampled every 0.2 s), mean over followers.
-- *end to end*: `python lightning_search.py` (Lightning `strategy="ddp"`, `devices=2`, CPU,
+- *end to end*: `benchmarks/workloads/lightning_search.py` (Lightning `strategy="ddp"`, `devices=2`, CPU,
   tiny MLP, 1 epoch, random search), {config.e2e_trials} trials; wall from launch to the
   leader's exit; CPU = all processes of the launch (found by a marker in their environment)
   up to the leader's exit.
@@ -489,7 +489,7 @@ Definitions:
   {config.bo_trials} trials; time from the leader's trial function returning to NePS marking the
   next trial as started, median of the last 5 trials.
 - *2 groups x 2 ranks / 1 group x 4 ranks*: `neps-bcast launch --groups K --nproc-per-group N
-  benchmarks/groups_search.py` with (K, N) = (2, 2) and (1, 4), the same 4 CPU ranks either way,
+  benchmarks/workloads/groups_search.py` with (K, N) = (2, 2) and (1, 4), the same 4 CPU ranks either way,
   {config.groups_trials} trials (`total_evaluations_to_spend`), {config.groups_runs} run(s) per
   layout, interleaved. Each trial is Lightning `strategy="ddp"`, one epoch of the same 8192
   samples in global batches of 64 (128 steps per rank in both layouts), MLP 8-256-256-1,

@@ -1,8 +1,8 @@
 """The groups workload: a NePS search whose trials are Lightning ``strategy="ddp"`` jobs,
 run by ``neps-bcast launch`` as K groups of N ranks on one root directory.
 
-    neps-bcast launch --groups 2 --nproc-per-group 2 benchmarks/groups_search.py --root R --trials 8
-    neps-bcast launch --groups 1 --nproc-per-group 4 benchmarks/groups_search.py --root R --trials 8
+    neps-bcast launch --groups 2 --nproc-per-group 2 benchmarks/workloads/groups_search.py --root R --trials 8
+    neps-bcast launch --groups 1 --nproc-per-group 4 benchmarks/workloads/groups_search.py --root R --trials 8
 
 Every rank of every group runs this script (torchrun's variables; the Trainer takes its size
 from LOCAL_WORLD_SIZE). Each trial is the same fixed amount of training whatever the layout:

@@ -1,6 +1,6 @@
 """The end-to-end workload: a NePS search whose trials are Lightning ``strategy="ddp"`` jobs.
 
-    python benchmarks/lightning_search.py --system ours|builtin --root R --timings T --trials 20
+    python benchmarks/workloads/lightning_search.py --system ours|builtin --root R --timings T --trials 20
 
 Run as a plain script; Lightning re-runs it for rank 1 (``devices=2``, CPU, gloo).
 ``ours``: every rank calls ``neps_bcast.run`` and trains inside ``neps_bcast.session()``.

@@ -1,6 +1,6 @@
 """neps_bcast's handoff alone: the control channel between real processes, no NePS.
 
-    python benchmarks/channel_bench.py --world 4 --reps 50 --out x.json
+    python benchmarks/workloads/channel_bench.py --world 4 --reps 50 --out x.json
 
 The leader process serves the store (OS-picked port), starts ``world - 1`` follower
 processes, and every rank joins the channel exactly as ``neps_bcast.run`` does.
