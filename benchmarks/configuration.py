@@ -3,14 +3,14 @@
 Every number that decides how long a run takes lives here, so a newcomer can see at a
 glance what ``make bench`` (quick) and ``make bench-full`` (full) do. The settings are
 frozen dataclasses; ``dataclasses.asdict`` of one is the ``config`` block of
-``summary_<mode>.json`` (same keys as before the split, so old summaries still read).
+``summary_<mode>.json``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = HERE / "workloads"
@@ -29,10 +29,16 @@ PAYLOAD_BYTES = (1000, 100_000, 1_000_000)
 """Sizes of the string each trial carries. The first is the plain runs' payload."""
 
 HANDOFF_GOAL_MS: dict[int, float] = {2: 2.0, 8: 10.0}
-"""Issue 8's goal: median handoff (NePS trial start -> last follower enters), by world size."""
+"""The handoff goal: neps_bcast's median handoff (NePS trial start -> last follower enters) at
+most this many ms, by world size."""
 
 FOLLOWER_CPU_GOAL_PERCENT: dict[int, float] = {2: 1.0}
-"""Follower CPU while the leader holds a trial, % of a core, by world size."""
+"""The waiting goal: follower CPU while the leader holds a trial at most this % of a core, by
+world size."""
+
+AUTH_GOAL_PERCENT = 5.0
+"""The authentication goal: tagging and checking one 1 KB trial message costs at most this % of
+the handoff median, at every world size."""
 
 GROUP_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 2), (1, 4))
 """``neps-bcast launch`` layouts compared (groups, ranks per group): the same 4 ranks as two
@@ -67,21 +73,10 @@ class BenchConfig:
     rel_trials: int
     bo_trials: int
     """Trials of the Bayesian-optimization run (time to sample the next trial)."""
-    groups_trials: int = 8
+    groups_trials: int
     """Trials (budget) of one ``neps-bcast launch`` run, the same for every layout."""
-    groups_runs: int = 1
-    """Runs per layout of GROUP_LAYOUTS, interleaved. (Both fields have defaults so that
-    summaries written before they existed still read.)"""
-
-    @classmethod
-    def from_json(cls, fields: dict[str, Any]) -> BenchConfig:
-        """The inverse of ``dataclasses.asdict`` after a JSON round trip (lists -> tuples)."""
-        return cls(
-            **{
-                name: tuple(value) if isinstance(value, list) else value
-                for name, value in fields.items()
-            }
-        )
+    groups_runs: int
+    """Runs per layout of GROUP_LAYOUTS, interleaved."""
 
 
 QUICK = BenchConfig(

@@ -1,19 +1,16 @@
-"""REPORT.md and the README's benchmark table, from a run's summary.
+"""REPORT.md from a run's summary: one function per table, each returning its rows.
 
-The main table is data: ``REPORT_ROWS`` lists one ``Metric`` per row (or per row and world
-size), each naming how to read a system's value from the summary, how to format it, which
-ratio to show and the goal. The README table (``readme_table``) combines the same metrics
-across world sizes, so both tables always agree with ``summary_<mode>.json``.
+The "Headline" table at the top is what the README shows: its rows are rows of the main
+table (or of several, world sizes side by side), so the two never disagree.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from configuration import (
+    AUTH_GOAL_PERCENT,
     FOLLOWER_CPU_GOAL_PERCENT,
     GROUP_LAYOUTS,
     HANDOFF_GOAL_MS,
@@ -27,10 +24,11 @@ from configuration import (
 )
 
 Summary = dict[str, Any]
-Cell = float | str | tuple[float | None, ...] | None
-"""A metric's value for one system: a number, a pair of numbers (median / p95), or text."""
-ValueReader = Callable[[Summary, str, str], Cell]
-"""(summary, system, world) -> the value. ``world`` is "" for rows without a world size."""
+Row = tuple[str, ...]
+MAIN_HEADER = "metric | neps_bcast (ours) | NePS built-in | built-in / ours | goal"
+HANDOFF = "handoff median, NePS trial start -> last follower starts (ms), world {world}"
+OVERHEAD = "per-trial control overhead, median (ms), world {world}"
+FOLLOWER_CPU = "follower CPU while the leader holds the trial (% of a core), world {world}"
 
 
 def dig(tree: Any, *keys: str) -> Any:
@@ -42,350 +40,256 @@ def dig(tree: Any, *keys: str) -> Any:
     return tree
 
 
-def scaled(value: Any, scale: float) -> float | None:
-    return None if value is None else value * scale
+def both(summary: Summary, section: tuple[str, ...], *path: str, scale: float = 1.0) -> list[Any]:
+    """[ours, built-in]: ``summary[*section][system][*path]`` times ``scale``."""
+    values = (dig(summary, *section, system, *path) for system in SYSTEMS)
+    return [None if value is None else value * scale for value in values]
 
 
-# ----------------------------------------------------------------------------- formatting
-def format_number(value: float | None, digits: int = 2) -> str:
+def worlds(summary: Summary, section: str = "plain") -> list[str]:
+    return sorted(summary.get(section, {}), key=int)
+
+
+def number(value: float | None, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def format_cell(cell: Cell, digits: int) -> str:
-    if isinstance(cell, str):
-        return cell
-    if isinstance(cell, tuple):
-        return " / ".join(format_number(value, digits) for value in cell)
-    return format_number(cell, digits)
-
-
-def format_ratio(numerator: Cell, denominator: Cell, *, short: bool = False) -> str:
+def ratio(numerator: Any, denominator: Any) -> str:
     if not isinstance(numerator, float | int) or not isinstance(denominator, float | int):
         return "n/a"
-    if denominator == 0:
-        return "n/a (ours ~0)"
-    ratio = numerator / denominator
-    return f"{ratio:.0f}x" if short and ratio >= 10 else f"{ratio:.2f}x"
+    return "n/a (ours ~0)" if denominator == 0 else f"{numerator / denominator:.2f}x"
 
 
-# ----------------------------------------------------------------------------- row specs
-@dataclass(frozen=True)
-class AtMost:
-    """A goal on neps_bcast's value: at most ``limits[world]`` (or ``limits[0]`` for any)."""
-
-    limits: dict[int, float]
-    unit: str
-
-    def limit(self, world: str) -> float | None:
-        return self.limits.get(int(world) if world else 0)
-
-    def describe(self, world: str) -> str:
-        limit = self.limit(world)
-        return "" if limit is None else f"ours <= {limit:g}{self.unit}"
-
-    def verdict(self, ours: Cell, world: str) -> str:
-        limit = self.limit(world)
-        if limit is None:
-            return ""
-        if not isinstance(ours, float | int):
-            return f"{self.describe(world)}: no data"
-        return f"{self.describe(world)}: {'met' if ours <= limit else 'NOT met'}"
+def at_most(value: float | None, limit: float | None, unit: str) -> str:
+    """The goal cell of "ours <= limit" (empty where this world size has no goal)."""
+    if limit is None:
+        return ""
+    verdict = "no data" if value is None else "met" if value <= limit else "NOT met"
+    return f"ours <= {limit:g}{unit}: {verdict}"
 
 
-@dataclass(frozen=True)
-class Metric:
-    """One row of the main table; with ``per_world``, one row per measured world size."""
-
-    label: str
-    """Row title; may name ``{world}`` and any field of ``BenchConfig``."""
-    value: ValueReader
-    digits: int = 2
-    ratio: Literal["builtin/ours", "ours/builtin", "first/second", "none"] = "builtin/ours"
-    """``first/second``: the ours cell is a pair, the ratio is its first over its second
-    value, followed by ``ratio_note`` (which says what the two are)."""
-    ratio_note: str = ""
-    goal: AtMost | str = ""
-    per_world: Literal["plain", "channel"] | None = None
-    """Which section's world sizes the row repeats over."""
-    builtin_applies: bool = True
-    """False for neps_bcast-only measurements (the built-in cell shows "-")."""
-
-    def worlds(self, summary: Summary) -> list[str]:
-        if self.per_world is None:
-            return [""]
-        return sorted(summary.get(self.per_world, {}), key=int)
-
-    def cells(self, summary: Summary, world: str) -> tuple[Cell, Cell]:
-        ours = self.value(summary, "ours", world)
-        builtin = self.value(summary, "builtin", world) if self.builtin_applies else "-"
-        return ours, builtin
-
-    def ratio_text(self, ours: Cell, builtin: Cell, *, short: bool = False) -> str:
-        if self.ratio == "builtin/ours":
-            return format_ratio(builtin, ours, short=short)
-        if self.ratio == "ours/builtin":
-            return format_ratio(ours, builtin, short=short) + ("" if short else " (ours/built-in)")
-        if self.ratio == "first/second":
-            first, second = ours if isinstance(ours, tuple) else (None, None)
-            return f"{format_ratio(first, second, short=short)} ({self.ratio_note})"
-        return "-"
-
-    def goal_text(self, ours: Cell, world: str) -> str:
-        return self.goal.verdict(ours, world) if isinstance(self.goal, AtMost) else self.goal
+def compared(label: str, values: list[Any], digits: int = 2, goal: str = "") -> Row:
+    """A row measured for both systems; the ratio is built-in / ours."""
+    ours, builtin = values
+    return (label, number(ours, digits), number(builtin, digits), ratio(builtin, ours), goal)
 
 
-def plain(*path: str, scale: float = 1.0) -> ValueReader:
-    """A value from the plain-DDP section: ``plain[world][system][path...]``."""
-    return lambda summary, system, world: scaled(dig(summary, "plain", world, system, *path), scale)
+def markdown_table(header: str, rows: list[Row]) -> str:
+    lines = [f"| {header} |", "|" + "---|" * (header.count("|") + 1)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def section(name: str, *path: str, scale: float = 1.0) -> ValueReader:
-    """A value from a per-system section: ``summary[name][system][path...]``."""
-    return lambda summary, system, world: scaled(dig(summary, name, system, *path), scale)
+# ----------------------------------------------------------------------------- main table
+def per_world(
+    summary: Summary,
+    label: str,
+    *path: str,
+    digits: int = 2,
+    scale: float = 1.0,
+    goals: dict[int, float] | None = None,
+    unit: str = "",
+) -> list[Row]:
+    """One row per plain-DDP world size: ``plain[world][system][*path]``, the goal its limit."""
+    rows = []
+    for world in worlds(summary):
+        values = both(summary, ("plain", world), *path, scale=scale)
+        goal = at_most(values[0], (goals or {}).get(int(world)), unit)
+        rows.append(compared(label.format(world=world), values, digits, goal))
+    return rows
 
 
-def channel_median_p95(summary: Summary, system: str, world: str) -> Cell:
-    latency = dig(summary, "channel", world, "latency_ms", "1000") or {}
-    return (latency.get("median"), latency.get("p95"))
+def e2e_rows(summary: Summary, config: BenchConfig) -> list[Row]:
+    throughput = both(summary, ("e2e",), "trials_per_min")
+    return [
+        compared(
+            f"end to end, {config.e2e_trials} trials, Lightning ddp x2: wall time (s)",
+            both(summary, ("e2e",), "wall_s"),
+            1,
+            "ours <= built-in",
+        ),
+        compared(
+            "end to end: CPU-seconds of all processes (up to the leader's exit)",
+            both(summary, ("e2e",), "cpu_s"),
+            1,
+            "built-in/ours >= 1.3x",
+        ),
+        (
+            "end to end: trials per minute",
+            *(number(value, 1) for value in throughput),
+            ratio(*throughput) + " (ours/built-in)",
+            "",
+        ),
+        compared(
+            "end to end: handoff median (ms), Lightning ddp x2",
+            both(summary, ("e2e",), "latency_ms", "median"),
+        ),
+    ]
 
 
-def completed_and_lost(summary: Summary, system: str, world: str) -> Cell:
-    runs = summary["reliability"][system]
-    return f"{runs['completed']}/{runs['runs']} / {runs['lost']}"
+def bo_row(summary: Summary, config: BenchConfig) -> Row:
+    return compared(
+        f"Bayesian optimization: time to the next trial at ~{config.bo_trials} trials,"
+        " median of last 5 (s), world 2",
+        both(summary, ("bo",), "sample_s_last5", "median"),
+        3,
+    )
 
 
-def runs_and_processes_left(summary: Summary, system: str, world: str) -> Cell:
-    runs = summary["reliability"][system]
-    return f"{runs['runs_with_leftovers']} / {runs['left_processes']}"
-
-
-HANDOFF_GOAL = AtMost(dict(HANDOFF_GOAL_MS), " ms")
-
-HANDOFF = Metric(
-    "handoff median, NePS trial start -> last follower starts (ms), world {world}",
-    plain("all", "median"),
-    goal=HANDOFF_GOAL,
-    per_world="plain",
-)
-HANDOFF_P95 = Metric("handoff p95 (ms), world {world}", plain("all", "p95"), per_world="plain")
-CHANNEL = Metric(
-    "neps_bcast channel alone, median / p95 (ms), world {world}, 1 KB",
-    channel_median_p95,
-    ratio="none",
-    per_world="channel",
-    builtin_applies=False,
-)
-OVERHEAD = Metric(
-    "per-trial control overhead, median (ms), world {world}",
-    plain("overhead_ms", "median"),
-    per_world="plain",
-)
-FOLLOWER_CPU = Metric(
-    "follower CPU while the leader holds the trial (% of a core), world {world}",
-    plain("wait_cpu_per_s", "mean", scale=100),
-    digits=1,
-    goal=AtMost(dict(FOLLOWER_CPU_GOAL_PERCENT), "%"),
-    per_world="plain",
-)
-E2E_WALL = Metric(
-    "end to end, {e2e_trials} trials, Lightning ddp x2: wall time (s)",
-    section("e2e", "wall_s"),
-    digits=1,
-    goal="ours <= built-in",
-)
-E2E_CPU = Metric(
-    "end to end: CPU-seconds of all processes (up to the leader's exit)",
-    section("e2e", "cpu_s"),
-    digits=1,
-    goal="built-in/ours >= 1.3x",
-)
-E2E_THROUGHPUT = Metric(
-    "end to end: trials per minute",
-    section("e2e", "trials_per_min"),
-    digits=1,
-    ratio="ours/builtin",
-)
-E2E_HANDOFF = Metric(
-    "end to end: handoff median (ms), Lightning ddp x2", section("e2e", "latency_ms", "median")
-)
-RUNS_COMPLETED = Metric(
-    "reliability: runs completed / lost (Lightning ddp x2, {rel_trials}-{e2e_trials} trials)",
-    completed_and_lost,
-    ratio="none",
-    goal="ours: 0 lost",
-)
-RUNS_LEFT = Metric(
-    "reliability: runs that left processes alive / processes left",
-    runs_and_processes_left,
-    ratio="none",
-    goal="ours: 0",
-)
-LEFT_CPU = Metric(
-    "reliability: CPU of each left-behind process (% of a core)",
-    section("reliability", "left_cpu_per_s", scale=100),
-    digits=0,
-    ratio="none",
-)
-NEXT_TRIAL = Metric(
-    "Bayesian optimization: time to the next trial at ~{bo_trials} trials,"
-    " median of last 5 (s), world 2",
-    section("bo", "sample_s_last5", "median"),
-    digits=3,
-)
-
-
-def auth_share(summary: Summary, system: str, world: str) -> Cell:
-    """Authenticating one trial message (tag + check), as % of the handoff median."""
-    cost_us = dig(summary, "auth", "median_us")
-    handoff_ms = dig(summary, "plain", world, "ours", "all", "median")
-    if not isinstance(cost_us, float | int) or not isinstance(handoff_ms, float | int):
-        return None
-    return 100 * cost_us / (1000 * handoff_ms)
-
-
-AUTH = Metric(
-    "authenticating a 1 KB trial (HMAC tag + check) as % of the handoff median, world {world}",
-    auth_share,
-    digits=2,
-    ratio="none",
-    goal=AtMost({2: 5.0, 4: 5.0, 8: 5.0}, "%"),
-    per_world="plain",
-    builtin_applies=False,
-)
-
-
-def groups_throughput(summary: Summary, system: str, world: str) -> Cell:
-    """Trials per minute of each ``neps-bcast launch`` layout: (2x2, 1x4)."""
-    return tuple(
+def groups_row(summary: Summary, config: BenchConfig) -> Row:
+    """Trials per minute of each ``neps-bcast launch`` layout (2x2, 1x4) and their ratio."""
+    first, second = (
         dig(summary, "groups", layout_key(*layout), "trials_per_min") for layout in GROUP_LAYOUTS
     )
+    label = (
+        "trials per minute, 2 groups x 2 ranks / 1 group x 4 ranks (`neps-bcast launch`,"
+        f" {config.groups_trials} trials, Lightning ddp on CPU, first trial start -> last trial end)"
+    )
+    cell = f"{number(first, 1)} / {number(second, 1)}"
+    return (label, cell, "-", f"{ratio(first, second)} (2x2 / 1x4)", "")
 
 
-GROUPS = Metric(
-    "trials per minute, 2 groups x 2 ranks / 1 group x 4 ranks (`neps-bcast launch`,"
-    " {groups_trials} trials, Lightning ddp on CPU, first trial start -> last trial end)",
-    groups_throughput,
-    digits=1,
-    ratio="first/second",
-    ratio_note="2x2 / 1x4",
-    builtin_applies=False,
-)
-REPORT_ROWS: tuple[tuple[Metric, ...], ...] = (
-    (HANDOFF, HANDOFF_P95),
-    (AUTH,),
-    (CHANNEL,),
-    (OVERHEAD,),
-    (FOLLOWER_CPU,),
-    (E2E_WALL,),
-    (E2E_CPU,),
-    (E2E_THROUGHPUT,),
-    (E2E_HANDOFF,),
-    (RUNS_COMPLETED,),
-    (RUNS_LEFT,),
-    (LEFT_CPU,),
-    (NEXT_TRIAL,),
-    (GROUPS,),
-)
-"""The main table of REPORT.md, top to bottom. Each group repeats world by world: for
-world 2 the handoff median then its p95, then the same for world 4, and so on."""
+def main_rows(summary: Summary, config: BenchConfig) -> list[Row]:
+    """The main table, top to bottom: world by world, the handoff median then its p95."""
+    handoff = per_world(summary, HANDOFF, "all", "median", goals=HANDOFF_GOAL_MS, unit=" ms")
+    p95 = per_world(summary, "handoff p95 (ms), world {world}", "all", "p95")
+    rows = [row for pair in zip(handoff, p95, strict=True) for row in pair]
+    for world in worlds(summary):  # authenticating one 1 KB trial message, % of the handoff
+        cost_us = dig(summary, "auth", "median_us")
+        handoff_ms = dig(summary, "plain", world, "ours", "all", "median")
+        share = None if None in (cost_us, handoff_ms) else 100 * cost_us / (1000 * handoff_ms)
+        label = "authenticating a 1 KB trial (HMAC tag + check) as % of the handoff median"
+        goal = at_most(share, AUTH_GOAL_PERCENT, "%")
+        rows.append((f"{label}, world {world}", number(share), "-", "-", goal))
+    for world in worlds(summary, "channel"):
+        latency = dig(summary, "channel", world, "latency_ms", "1000") or {}
+        label = f"neps_bcast channel alone, median / p95 (ms), world {world}, 1 KB"
+        cell = f"{number(latency.get('median'))} / {number(latency.get('p95'))}"
+        rows.append((label, cell, "-", "-", ""))
+    rows += per_world(summary, OVERHEAD, "overhead_ms", "median")
+    rows += per_world(
+        summary,
+        FOLLOWER_CPU,
+        *("wait_cpu_per_s", "mean"),
+        digits=1,
+        scale=100,
+        goals=FOLLOWER_CPU_GOAL_PERCENT,
+        unit="%",
+    )
+    rows += e2e_rows(summary, config)
+    runs = [summary["reliability"][system] for system in SYSTEMS]
+    label = f"reliability: runs completed / lost (Lightning ddp x2, {config.rel_trials}-{config.e2e_trials} trials)"
+    cells = [f"{each['completed']}/{each['runs']} / {each['lost']}" for each in runs]
+    rows.append((label, *cells, "-", "ours: 0 lost"))
+    label = "reliability: runs that left processes alive / processes left"
+    cells = [f"{each['runs_with_leftovers']} / {each['left_processes']}" for each in runs]
+    rows.append((label, *cells, "-", "ours: 0"))
+    label = "reliability: CPU of each left-behind process (% of a core)"
+    rows.append((label, *(number(100 * each["left_cpu_per_s"], 0) for each in runs), "-", ""))
+    return [*rows, bo_row(summary, config), groups_row(summary, config)]
 
 
-# ----------------------------------------------------------------------------- tables
-def label_fields(summary: Summary, config: BenchConfig) -> dict[str, Any]:
-    """What a row label may name: every ``BenchConfig`` field and ``runs`` (Lightning runs)."""
-    return {**asdict(config), "runs": dig(summary, "reliability", "ours", "runs")}
+# ----------------------------------------------------------------------------- headline
+def side_by_side(label: str, rows: list[Row]) -> Row:
+    """Several main-table rows as one: each cell's values joined with " / "."""
+    return (label, *(" / ".join(row[column] for row in rows) for column in (1, 2, 3)))
 
 
-def markdown_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def plain_launches(summary: Summary) -> list[tuple[str, dict[str, Any]]]:
+    """(what it measured, {system: summary entry}) of every plain-DDP launch."""
+    launches = [(f"{world}, 1 KB", summary["plain"][world]) for world in worlds(summary)]
+    launches.append(("2, 100 KB + 1 MB", summary["sweep"]))
+    return [*launches, ("2, Bayesian optimization", summary["bo"])]
 
 
-MAIN_HEADER = ("metric", "neps_bcast (ours)", "NePS built-in", "built-in / ours", "goal")
-
-
-def metric_row(
-    metric: Metric, summary: Summary, fields: dict[str, Any], world: str = ""
-) -> tuple[str, ...]:
-    """One row of the main table (``MAIN_HEADER``'s columns)."""
-    ours, builtin = metric.cells(summary, world)
+def runs_lost(summary: Summary, system: str) -> str:
+    lightning = summary["reliability"][system]
+    launches = [by_system[system] for _, by_system in plain_launches(summary)]
+    lost = [entry for entry in launches if not entry["completed"]]
+    errors = "".join(
+        f" (`{error}`)" for error in sorted({entry["error"] for entry in lost if entry["error"]})
+    )
     return (
-        metric.label.format(**fields, world=world),
-        format_cell(ours, metric.digits),
-        format_cell(builtin, metric.digits),
-        metric.ratio_text(ours, builtin),
-        metric.goal_text(ours, world),
+        f"{lightning['lost']} of {lightning['runs']} Lightning,"
+        f" {len(lost)} of {len(launches)} plain-DDP{errors}"
     )
 
 
-def main_table(summary: Summary, config: BenchConfig) -> str:
-    fields = label_fields(summary, config)
-    rows = [
-        metric_row(metric, summary, fields, world)
-        for group in REPORT_ROWS
-        for world in group[0].worlds(summary)
-        for metric in group
+def runs_left_behind(summary: Summary, system: str) -> str:
+    runs = summary["reliability"][system]
+    each = f", each at {100 * runs['left_cpu_per_s']:.0f}% of a core"
+    return (
+        f"{runs['runs_with_leftovers']} of {runs['runs']}{each if runs['left_processes'] else ''}"
+    )
+
+
+def headline_rows(summary: Summary, config: BenchConfig) -> list[Row]:
+    """The README's rows: the main table's figures that say the most, world sizes joined."""
+    sizes = " / ".join(worlds(summary))
+    goals = ", ".join(f"world {world} <= {limit:g} ms" for world, limit in HANDOFF_GOAL_MS.items())
+    cpu = per_world(summary, FOLLOWER_CPU, "wait_cpu_per_s", "mean", digits=1, scale=100)
+    return [
+        side_by_side(
+            HANDOFF.format(world=f"{sizes} (goal: {goals})"),
+            per_world(summary, HANDOFF, "all", "median"),
+        ),
+        side_by_side(
+            OVERHEAD.format(world=sizes), per_world(summary, OVERHEAD, "overhead_ms", "median")
+        ),
+        side_by_side(FOLLOWER_CPU.format(world=sizes), cpu),
+        side_by_side(
+            f"end to end, {config.e2e_trials} trials, Lightning ddp x2: wall time (s) / CPU-seconds",
+            e2e_rows(summary, config)[:2],
+        ),
+        (
+            "runs lost (Lightning ddp x2 runs, plain-DDP runs)",
+            *(runs_lost(summary, system) for system in SYSTEMS),
+            "-",
+        ),
+        (
+            "Lightning runs that left processes alive",
+            *(runs_left_behind(summary, system) for system in SYSTEMS),
+            "-",
+        ),
+        bo_row(summary, config)[:4],
+        groups_row(summary, config)[:4],
     ]
-    return markdown_table(MAIN_HEADER, rows)
 
 
+# ----------------------------------------------------------------------------- other tables
 def payload_table(summary: Summary) -> str:
     rows = []
-    for world in sorted(summary["plain"], key=int):
+    for world in worlds(summary):
         for size in PAYLOAD_BYTES:
             ours, builtin = (
-                dig(summary, "plain", world, system, "by_payload", str(size)) or {}
-                for system in SYSTEMS
+                summary["plain"][world][system]["by_payload"][str(size)] for system in SYSTEMS
             )
             channel = dig(summary, "channel", world, "latency_ms", str(size)) or {}
             rows.append(
                 (
                     world,
                     f"{size // 1000} KB",
-                    f"{format_number(ours.get('median'))} (n={ours.get('n', 0)})",
-                    f"{format_number(builtin.get('median'))} (n={builtin.get('n', 0)})",
-                    format_ratio(builtin.get("median"), ours.get("median")),
-                    f"{format_number(channel.get('median'))} / {format_number(channel.get('p95'))}",
+                    *(f"{number(entry['median'])} (n={entry['n']})" for entry in (ours, builtin)),
+                    ratio(builtin["median"], ours["median"]),
+                    f"{number(channel.get('median'))} / {number(channel.get('p95'))}",
                 )
             )
-    header = (
-        "world",
-        "payload",
-        "neps_bcast",
-        "NePS built-in",
-        "built-in / ours",
-        "neps_bcast channel alone, median / p95",
-    )
-    return markdown_table(header, rows)
+    header = "world | payload | neps_bcast | NePS built-in | built-in / ours"
+    return markdown_table(header + " | neps_bcast channel alone, median / p95", rows)
 
 
 def launches_table(summary: Summary) -> str:
     """Every plain-DDP launch: did it finish, what did it leave behind, how did it fail."""
-    launches = [
-        (f"{world}, 1 KB", system, dig(summary, "plain", world, system))
-        for world in sorted(summary["plain"], key=int)
-        for system in SYSTEMS
-    ]
-    launches += [("2, 100 KB + 1 MB", system, dig(summary, "sweep", system)) for system in SYSTEMS]
-    launches += [
-        ("2, Bayesian optimization", system, dig(summary, "bo", system)) for system in SYSTEMS
-    ]
     rows = []
-    for name, system, entry in launches:
-        found = entry or {}
-        left = found.get("left")
-        rows.append(
-            (
-                name,
-                SYSTEM_LABELS[system],
-                f"{found.get('trials_done', found.get('neps_successes'))}/{found.get('trials_wanted', '?')}",
-                "yes" if found.get("completed") else "no",
-                str(len(left) if isinstance(left, list) else left if left is not None else "?"),
-                found.get("error") or "",
-            )
-        )
-    header = ("world, payload", "system", "trials done", "completed", "processes left", "error")
+    for name, by_system in plain_launches(summary):
+        for system in SYSTEMS:
+            entry = by_system[system]
+            done = entry.get("trials_done", entry.get("neps_successes"))  # the sweep's name
+            left = entry["left"]  # the sweep's: the processes themselves
+            left_count = len(left) if isinstance(left, list) else left
+            completed = "yes" if entry["completed"] else "no"
+            row = (name, SYSTEM_LABELS[system], f"{done}/{entry['trials_wanted']}", completed)
+            rows.append((*row, str(left_count), entry["error"]))
+    header = "world, payload | system | trials done | completed | processes left | error"
     return markdown_table(header, rows)
 
 
@@ -393,53 +297,24 @@ def groups_table(summary: Summary) -> str:
     """Each ``neps-bcast launch`` layout: runs, throughput both ways, times, workers, leftovers."""
     rows = []
     for groups, nproc_per_group in GROUP_LAYOUTS:
-        entry = dig(summary, "groups", layout_key(groups, nproc_per_group))
-        if entry is None:
-            continue
+        entry = summary["groups"][layout_key(groups, nproc_per_group)]
+        fields = ("trials_per_min", "trials_per_min_wall", "span_s", "wall_s", "cpu_s")
         rows.append(
             (
                 f"{groups} x {nproc_per_group}",
                 f"{entry['runs']}/{entry['runs_total']}",
-                format_number(entry["trials_per_min"], 1),
-                format_number(entry["trials_per_min_wall"], 1),
-                format_number(entry["span_s"], 1),
-                format_number(entry["wall_s"], 1),
-                format_number(entry["cpu_s"], 1),
+                *(number(entry[field], 1) for field in fields),
                 ", ".join(map(str, entry["workers"])),
                 str(entry["left"]),
                 "; ".join(entry["errors"]),
             )
         )
-    header = (
-        "groups x ranks",
-        "runs completed",
-        "trials/min (span)",
-        "trials/min (wall)",
-        "span (s)",
-        "wall (s)",
-        "CPU-s",
-        "NePS workers",
-        "processes left",
-        "errors",
-    )
-    return markdown_table(header, rows) if rows else "Not measured in this run."
+    header = "groups x ranks | runs completed | trials/min (span) | trials/min (wall) | span (s)"
+    header += " | wall (s) | CPU-s | NePS workers | processes left | errors"
+    return markdown_table(header, rows)
 
 
-def goal_lines(summary: Summary) -> list[str]:
-    """One line per world size with a handoff goal: the figure next to its goal."""
-    lines = []
-    for world, limit in sorted(HANDOFF_GOAL_MS.items()):
-        ours, builtin = HANDOFF.cells(summary, str(world))
-        lines.append(
-            f"handoff median, world {world}: ours {format_cell(ours, 2)} ms,"
-            f" built-in {format_cell(builtin, 2)} ms (built-in / ours"
-            f" {HANDOFF.ratio_text(ours, builtin)}); goal <= {limit:g} ms:"
-            f" {HANDOFF_GOAL.verdict(ours, str(world)).rpartition(': ')[2]}"
-        )
-    return lines
-
-
-# ----------------------------------------------------------------------------- documents
+# ----------------------------------------------------------------------------- the document
 def render_report(
     summary: Summary, config: BenchConfig, mode: Mode, machine: dict[str, str], seconds: float
 ) -> str:
@@ -449,7 +324,6 @@ def render_report(
         for system in SYSTEMS
         for error in summary["reliability"][system]["errors"]
     ]
-    goals = "\n".join(f"- {line}" for line in goal_lines(summary))
     return f"""# neps_bcast vs NePS built-in DDP mode
 
 Mode: `{mode}`. Command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}`
@@ -458,12 +332,20 @@ Machine: {", ".join(f"{key} {value}" for key, value in machine.items())}.
 Generated {time.strftime("%Y-%m-%d %H:%M:%S")}. Both systems ran in this one run, interleaved
 (for each cell: neps_bcast, then NePS built-in, then the next cell), on the same workloads.
 
-Handoff against the goal (issue 8):
-{goals}
-
+The README's benchmark table is the Headline table below, copied as it is after a run
+(with the run's date, mode and machine from above); nothing else generates it.
 Ratios are **built-in / ours** (higher = neps_bcast better) unless marked otherwise.
 
-{main_table(summary, config)}
+## Headline
+
+Each row is one or more rows of the main table below, world sizes side by side
+("world 2 / 8"): the same figures, the same definitions.
+
+{markdown_table(MAIN_HEADER.rpartition(" | ")[0], headline_rows(summary, config))}
+
+## Main table
+
+{markdown_table(MAIN_HEADER, main_rows(summary, config))}
 
 Definitions:
 - *handoff*: from the moment the leader's NePS marks the trial as started (`time_started`,

@@ -2,20 +2,20 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --quick   # make bench (~7 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min)
-    .venv/bin/python benchmarks/run.py --readme-table benchmarks/results/summary_full.json
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --only groups   # one section (~2 min)
 
 Writes ``summary_<mode>.json``, ``REPORT.md`` and the PNG plots to ``benchmarks/results/``
 (raw per-launch JSON to ``results/raw/``, git-ignored). ``--only groups`` measures that one
 section with the mode's settings and prints its summary, writing nothing to ``results/``.
-Measures only: nothing here asserts a time. The parts: ``configuration`` (what a mode measures), ``measurement``
-(launching and supervising), ``analysis`` (statistics), ``report`` (REPORT.md and the
-README table), ``plots``.
+Measures only: nothing here asserts a time. The parts: ``configuration`` (what a mode
+measures), ``measurement`` (launching ``workloads/`` under ``_supervise.py``), ``analysis``
+(statistics), ``report`` (REPORT.md, whose Headline table the README copies), ``plots``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -23,22 +23,20 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 from analysis import summarize, summarize_groups
-from configuration import CONFIGS, RAW, RESULTS, Mode
+from configuration import CONFIGS, RAW, RESULTS
 from measurement import measure_all, measure_group_layouts, progress
 from plots import save_plots
-from readme_table import readme_section
 from report import (
-    GROUPS,
     MAIN_HEADER,
-    goal_lines,
+    groups_row,
     groups_table,
-    label_fields,
+    headline_rows,
     markdown_table,
-    metric_row,
     render_report,
 )
 
@@ -66,20 +64,50 @@ def machine_description() -> dict[str, str]:
     }
 
 
-def benchmark(mode: Mode, *, keep_tmp: bool) -> None:
-    config = CONFIGS[mode]
+@contextlib.contextmanager
+def scratch(what: str, *, keep: bool) -> Iterator[Path]:
+    """A temporary folder for the launches (removed afterwards unless ``keep``)."""
     os.environ["OMP_NUM_THREADS"] = "1"
-    if RAW.exists():
-        shutil.rmtree(RAW)
-    RAW.mkdir(parents=True)
     tmp = Path(tempfile.mkdtemp(prefix="neps_bcast_bench_"))
-    started = time.monotonic()
+    progress(f"[{what}] tmp root {tmp}")
     try:
-        progress(f"[{mode}] tmp root {tmp}")
-        raw = measure_all(config, tmp)
+        yield tmp
     finally:
-        if not keep_tmp:
+        if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument("--quick", action="store_true", help="make bench (the default)")
+    what.add_argument("--full", action="store_true", help="make bench-full")
+    parser.add_argument("--keep-tmp", action="store_true", help="keep the launches' folders")
+    parser.add_argument(
+        "--only",
+        choices=("groups",),
+        help="measure only this section (quick or full settings), print its summary and rows,"
+        " write nothing to results/",
+    )
+    args = parser.parse_args()
+    mode = "full" if args.full else "quick"
+    config = CONFIGS[mode]
+    started = time.monotonic()
+    if args.only == "groups":  # the launches' records stay in the temporary folder
+        with scratch(f"{mode}, groups only", keep=args.keep_tmp) as tmp:
+            launches = measure_group_layouts(config, tmp, raw_dir=tmp / "raw")
+        summary = {"groups": summarize_groups({"groups": launches})}
+        print(json.dumps(summary, indent=1))
+        print(markdown_table(MAIN_HEADER, [groups_row(summary, config)]) + "\n")
+        print(groups_table(summary))
+        progress(f"done in {(time.monotonic() - started) / 60:.1f} min")
+        return
+    shutil.rmtree(RAW, ignore_errors=True)
+    RAW.mkdir(parents=True)
+    with scratch(mode, keep=args.keep_tmp) as tmp:
+        raw = measure_all(config, tmp)
     seconds = time.monotonic() - started
     summary = summarize(raw, config)
     machine = machine_description()
@@ -90,65 +118,11 @@ def benchmark(mode: Mode, *, keep_tmp: bool) -> None:
         "seconds": seconds,
         "summary": summary,
     }
-    RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"summary_{mode}.json").write_text(json.dumps(document, indent=1))
     (RESULTS / "REPORT.md").write_text(render_report(summary, config, mode, machine, seconds))
     save_plots(summary, raw)
-    for line in goal_lines(summary):
-        progress(line)
+    progress(markdown_table(MAIN_HEADER.rpartition(" | ")[0], headline_rows(summary, config)))
     progress(f"done in {seconds / 60:.1f} min: {RESULTS / 'REPORT.md'}")
-
-
-def only_groups(mode: Mode, *, keep_tmp: bool) -> None:
-    """The groups section alone: its launches' records stay in the temporary folder
-    (kept with ``--keep-tmp``), the section's summary and table rows go to stdout."""
-    config = CONFIGS[mode]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    tmp = Path(tempfile.mkdtemp(prefix="neps_bcast_bench_groups_"))
-    started = time.monotonic()
-    try:
-        progress(f"[{mode}, groups only] tmp root {tmp}")
-        launches = measure_group_layouts(config, tmp, raw_dir=tmp / "raw")
-    finally:
-        if not keep_tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-    summary = {"groups": summarize_groups({"groups": launches})}
-    print(json.dumps(summary, indent=1))
-    print(markdown_table(MAIN_HEADER, [metric_row(GROUPS, summary, label_fields(summary, config))]))
-    print()
-    print(groups_table(summary))
-    progress(f"done in {(time.monotonic() - started) / 60:.1f} min")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    what = parser.add_mutually_exclusive_group()
-    what.add_argument("--quick", action="store_true", help="make bench (the default)")
-    what.add_argument("--full", action="store_true", help="make bench-full")
-    what.add_argument(
-        "--readme-table",
-        metavar="SUMMARY_JSON",
-        type=Path,
-        help="print the README's benchmark table from a summary_<mode>.json, measure nothing",
-    )
-    parser.add_argument("--keep-tmp", action="store_true", help="keep the launches' folders")
-    parser.add_argument(
-        "--only",
-        choices=("groups",),
-        help="measure only this section (quick or full settings), print its summary and rows,"
-        " write nothing to results/",
-    )
-    args = parser.parse_args()
-    if args.readme_table:
-        print(readme_section(json.loads(args.readme_table.read_text())), end="")
-        return
-    mode: Mode = "full" if args.full else "quick"
-    if args.only == "groups":
-        only_groups(mode, keep_tmp=args.keep_tmp)
-        return
-    benchmark(mode, keep_tmp=args.keep_tmp)
 
 
 if __name__ == "__main__":
