@@ -44,12 +44,11 @@ def describe_values(values: list[float | None], scale: float = 1.0) -> Record:
 
 # ----------------------------------------------------------------------------- per launch
 def channel_latency_ms(latency_s_by_payload: dict[str, list[float]]) -> Record:
-    """Median and p95 (ms) of the channel-alone broadcasts, by payload size."""
-    by_payload = {}
-    for size, latencies in latency_s_by_payload.items():
-        stats = describe_values(latencies, 1e3)
-        by_payload[size] = {"median": stats["median"], "p95": stats["p95"], "n": stats["n"]}
-    return by_payload
+    """Median, p95 and count (ms) of the channel-alone broadcasts, by payload size."""
+    return {
+        size: {key: describe_values(latencies, 1e3)[key] for key in ("median", "p95", "n")}
+        for size, latencies in latency_s_by_payload.items()
+    }
 
 
 def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record]:
@@ -131,6 +130,15 @@ def after_first(trials: list[Record]) -> list[Record]:
     return [trial for trial in trials if trial["index"] > 1]
 
 
+def median_of(launches: list[Record], field: str) -> float | None:
+    values = [launch[field] for launch in launches if launch.get(field) is not None]
+    return statistics.median(values) if values else None
+
+
+def errors(launches: list[Record]) -> list[str]:
+    return sorted({launch["error"] for launch in launches if launch["error"]})
+
+
 def summarize_plain(raw: Record) -> Record:
     """Handoff, overhead and follower CPU by world size, then system."""
     by_world: Record = {}
@@ -138,7 +146,7 @@ def summarize_plain(raw: Record) -> Record:
         system, world = key.split(":")
         measured = after_first(launch["trials"])
         # At world 2 the large-payload runs (sweep) add their trials to the payload table.
-        sweep = raw["sweep"].get(system, {}).get("trials", []) if world == "2" else []
+        sweep = raw["sweep"][system]["trials"] if world == "2" else []
         with_payloads = measured + after_first(sweep)
         by_world.setdefault(world, {})[system] = {
             "all": describe_values([trial["latency_s"] for trial in measured], 1e3),
@@ -166,27 +174,17 @@ def summarize_e2e(raw: Record, config: BenchConfig) -> Record:
     for system in SYSTEMS:
         launches = [launch for launch in raw["e2e"] if launch["system"] == system]
         completed = [launch for launch in launches if launch["completed"]]
-        walls = [launch["wall_s"] for launch in completed]
-        cpus = [
-            launch["cpu_at_exit_s"] for launch in completed if launch["cpu_at_exit_s"] is not None
+        wall_s = median_of(completed, "wall_s")
+        latencies = [
+            trial["latency_s"] for run in completed for trial in after_first(run["trials"])
         ]
-        median_wall = statistics.median(walls) if walls else None
         by_system[system] = {
             "runs": len(completed),
             "runs_total": len(launches),
-            "wall_s": median_wall,
-            "cpu_s": statistics.median(cpus) if cpus else None,
-            "trials_per_min": 60 * config.e2e_trials / median_wall
-            if median_wall is not None
-            else None,
-            "latency_ms": describe_values(
-                [
-                    trial["latency_s"]
-                    for launch in completed
-                    for trial in after_first(launch["trials"])
-                ],
-                1e3,
-            ),
+            "wall_s": wall_s,
+            "cpu_s": median_of(completed, "cpu_at_exit_s"),
+            "trials_per_min": None if wall_s is None else 60 * config.e2e_trials / wall_s,
+            "latency_ms": describe_values(latencies, 1e3),
         }
     return by_system
 
@@ -195,9 +193,7 @@ def summarize_reliability(raw: Record) -> Record:
     """Every Lightning launch (end to end + reliability): completed, lost, left behind."""
     by_system: Record = {}
     for system in SYSTEMS:
-        launches = [
-            launch for launch in raw["e2e"] + raw["reliability"] if launch["system"] == system
-        ]
+        launches = [run for run in raw["e2e"] + raw["reliability"] if run["system"] == system]
         with_leftovers = [launch for launch in launches if launch["left"]]
         by_system[system] = {
             "runs": len(launches),
@@ -210,7 +206,7 @@ def summarize_reliability(raw: Record) -> Record:
             )
             if with_leftovers
             else 0.0,
-            "errors": sorted({launch["error"] for launch in launches if launch["error"]}),
+            "errors": errors(launches),
         }
     return by_system
 
@@ -218,8 +214,7 @@ def summarize_reliability(raw: Record) -> Record:
 def summarize_bo(raw: Record) -> Record:
     """Time from a trial's end to NePS starting the next one, as Bayesian optimization grows."""
     by_system: Record = {}
-    for system in SYSTEMS:
-        launch = raw["bo"][system]
+    for system, launch in raw["bo"].items():
         sample_times = [
             trial["sample_s"] for trial in launch["trials"] if trial["sample_s"] is not None
         ]
@@ -235,19 +230,6 @@ def summarize_bo(raw: Record) -> Record:
     return by_system
 
 
-def summarize_sweep(raw: Record) -> Record:
-    fields = ("neps_successes", "trials_wanted", "completed", "left", "error")
-    return {
-        system: {field: launch[field] for field in fields}
-        for system, launch in raw["sweep"].items()
-    }
-
-
-def median_of(launches: list[Record], field: str) -> float | None:
-    values = [launch[field] for launch in launches if launch.get(field) is not None]
-    return statistics.median(values) if values else None
-
-
 def summarize_groups(raw: Record) -> Record:
     """``neps-bcast launch`` layouts (``"2x2"``, ``"1x4"``): medians over completed runs.
 
@@ -256,13 +238,10 @@ def summarize_groups(raw: Record) -> Record:
     is the first layout's trials per minute over the second's (2x2 / 1x4).
     """
     by_layout: Record = {}
-    for groups, nproc_per_group in GROUP_LAYOUTS:
-        key = layout_key(groups, nproc_per_group)
-        launches = [launch for launch in raw.get("groups", []) if launch["layout"] == key]
-        if not launches:
-            continue
+    for layout in GROUP_LAYOUTS:
+        launches = [run for run in raw["groups"] if run["layout"] == layout_key(*layout)]
         completed = [launch for launch in launches if launch["completed"]]
-        by_layout[key] = {
+        by_layout[layout_key(*layout)] = {
             "runs": len(completed),
             "runs_total": len(launches),
             "trials_per_min": median_of(completed, "trials_per_min"),
@@ -274,24 +253,26 @@ def summarize_groups(raw: Record) -> Record:
             "trials_done": [launch["neps_successes"] for launch in launches],
             "trials_wanted": launches[0]["trials_wanted"],
             "left": sum(launch["left"] for launch in launches),
-            "errors": sorted({launch["error"] for launch in launches if launch["error"]}),
+            "errors": errors(launches),
         }
-    keys = [layout_key(*layout) for layout in GROUP_LAYOUTS]
-    if len(keys) == 2 and all(key in by_layout for key in keys):
-        first, second = (by_layout[key]["trials_per_min"] for key in keys)
-        by_layout["ratio"] = first / second if first is not None and second else None
+    first, second = (by_layout[layout_key(*layout)]["trials_per_min"] for layout in GROUP_LAYOUTS)
+    by_layout["ratio"] = first / second if first is not None and second else None
     return by_layout
 
 
 def summarize(raw: Record, config: BenchConfig) -> Record:
     """The ``summary`` block of ``summary_<mode>.json``."""
+    fields = ("neps_successes", "trials_wanted", "completed", "left", "error")
     return {
         "channel": raw["channel"],
         "plain": summarize_plain(raw),
         "e2e": summarize_e2e(raw, config),
         "reliability": summarize_reliability(raw),
         "bo": summarize_bo(raw),
-        "sweep": summarize_sweep(raw),
-        "auth": raw.get("auth", {}),
+        "sweep": {
+            system: {field: launch[field] for field in fields}
+            for system, launch in raw["sweep"].items()
+        },
+        "auth": raw["auth"],
         "groups": summarize_groups(raw),
     }

@@ -9,6 +9,7 @@ supervisor record and derived result go to ``results/raw/<launch>.json``.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -34,6 +35,9 @@ from configuration import (
 Record = dict[str, Any]
 PYTHON = sys.executable
 LOG_TAIL_CHARS = 3000
+GRACE_S, LINGER_S = 5.0, 2.0
+"""Left behind = alive GRACE_S after the leader's exit; each such process is watched LINGER_S."""
+EXCEPTION_LINE = re.compile(r"\b[\w.]*(Error|Exception): ")
 
 
 def progress(message: str) -> None:
@@ -48,8 +52,6 @@ def supervised(
     cwd: Path,
     deadline_s: float,
     role: str | None = None,
-    grace_s: float = 5.0,
-    linger_s: float = 2.0,
     extra_env: dict[str, str] | None = None,
 ) -> Record:
     """Run ``cmd`` under the supervisor; return the supervisor's record plus the log's tail."""
@@ -64,7 +66,7 @@ def supervised(
         PYTHON,
         str(HERE / "_supervise.py"),
         *("--out", str(record_path), "--log", str(log_path)),
-        *("--deadline", str(deadline_s), "--grace", str(grace_s), "--linger", str(linger_s)),
+        *("--deadline", str(deadline_s), "--grace", str(GRACE_S), "--linger", str(LINGER_S)),
         "--",
         *cmd,
     ]
@@ -73,7 +75,7 @@ def supervised(
         supervisor_cmd, cwd=cwd, env=env, start_new_session=True, stdin=subprocess.DEVNULL
     )
     try:
-        supervisor.wait(timeout=deadline_s + grace_s + linger_s + 60)
+        supervisor.wait(timeout=deadline_s + GRACE_S + LINGER_S + 60)
     except subprocess.TimeoutExpired:
         pass
     # Backstop: nothing of this launch may survive, whatever the supervisor did.
@@ -82,18 +84,17 @@ def supervised(
         procfs.kill(pid)
     if supervisor.poll() is None:
         supervisor.wait(timeout=10)
+    record: Record = {
+        "exit_code": None,
+        "timed_out": True,
+        "left": [],
+        "processes": {},
+        "cpu_at_exit_s": None,
+        "wall_s": time.monotonic() - started,
+        "supervisor_failed": True,
+    }
     if record_path.exists():
-        record: Record = json.loads(record_path.read_text())
-    else:
-        record = {
-            "exit_code": None,
-            "timed_out": True,
-            "left": [],
-            "processes": {},
-            "cpu_at_exit_s": None,
-            "wall_s": time.monotonic() - started,
-            "supervisor_failed": True,
-        }
+        record = json.loads(record_path.read_text())
     record["stray_killed_by_runner"] = stray
     record["log_tail"] = (
         log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if log_path.exists() else ""
@@ -107,25 +108,20 @@ def read_timings(folder: Path) -> list[Record]:
     rows = []
     for path in sorted(folder.glob("rank*.jsonl")):
         for line in path.read_text().splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
     return rows
 
 
 def neps_successes(root: Path) -> int:
     """Trials NePS recorded as successful in its root directory."""
-    csv = root / "summary" / "full.csv"
-    if not csv.exists():
+    path = root / "summary" / "full.csv"
+    if not path.exists():
         return 0
-    import pandas as pd
-
-    return int((pd.read_csv(csv)["state"] == "success").sum())
-
-
-EXCEPTION_LINE = re.compile(r"\b[\w.]*(Error|Exception): ")
+    with path.open(newline="") as table:
+        return sum(row["state"] == "success" for row in csv.DictReader(table))
 
 
 def error_line(log_tail: str) -> str:
@@ -141,16 +137,38 @@ def error_line(log_tail: str) -> str:
     return chosen.strip()[:200]
 
 
-def save_raw(name: str, supervisor_record: Record, result: Record, raw_dir: Path = RAW) -> None:
+def outcome(record: Record, successes: int, wanted: int) -> Record:
+    """What every NePS search reports: did it finish, how it failed, how long, what it cost."""
+    return {
+        "exit_code": record["exit_code"],
+        "timed_out": record["timed_out"],
+        "neps_successes": successes,
+        "trials_wanted": wanted,
+        "completed": record["exit_code"] == 0 and not record["timed_out"] and successes >= wanted,
+        "error": "" if record["exit_code"] == 0 else error_line(record["log_tail"]),
+        "wall_s": record["wall_s"],
+        "cpu_at_exit_s": record["cpu_at_exit_s"],
+    }
+
+
+def save_raw(name: str, record: Record, result: Record, raw_dir: Path = RAW) -> None:
     raw_dir.mkdir(parents=True, exist_ok=True)
-    (raw_dir / f"{name}.json").write_text(
-        json.dumps({"supervisor": supervisor_record, "result": result})
+    (raw_dir / f"{name}.json").write_text(json.dumps({"supervisor": record, "result": result}))
+
+
+def finish(name: str, record: Record, result: Record, raw_dir: Path = RAW, note: str = "") -> None:
+    """Save the launch's record and result to ``raw_dir`` and say how it went."""
+    save_raw(name, record, result, raw_dir)
+    progress(
+        f"  {name}: exit={result['exit_code']} ok={result['completed']}"
+        f" trials={result['neps_successes']}/{result['trials_wanted']} wall={result['wall_s']:.1f}s"
+        f" cpu={result['cpu_at_exit_s']} left={len(record['left'])} {note}{result['error'][:100]}"
     )
 
 
 # ----------------------------------------------------------------------------- workloads
 def measure_channel(world: int, config: BenchConfig, tmp: Path) -> Record:
-    """neps_bcast's channel alone between ``world`` real processes (channel_bench.py)."""
+    """neps_bcast's channel alone between ``world`` real processes (workloads/channel_bench.py)."""
     name = f"channel_w{world}"
     folder = tmp / name
     folder.mkdir()
@@ -177,7 +195,7 @@ def measure_channel(world: int, config: BenchConfig, tmp: Path) -> Record:
 
 @dataclass(frozen=True)
 class PlainWorkload:
-    """One plain-DDP NePS search (plain_launch.py + plain_search.py): what it varies."""
+    """One plain-DDP NePS search (workloads/plain_launch.py + plain_search.py): what it varies."""
 
     tag: str
     """Section name: plain, sweep or bo (also the launch's folder prefix)."""
@@ -211,36 +229,21 @@ def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -
     )
     rows = read_timings(folder / "timings")
     holds = [tuple(row["hold"]) for row in rows if "hold" in row]
-    successes = neps_successes(folder / "root")
     result = {
         "system": system,
         "world": world,
-        "exit_code": record["exit_code"],
-        "timed_out": record["timed_out"],
-        "neps_successes": successes,
-        "trials_wanted": workload.trials,
-        "completed": record["exit_code"] == 0 and successes >= workload.trials,
-        "error": "" if record["exit_code"] == 0 else error_line(record["log_tail"]),
+        **outcome(record, neps_successes(folder / "root"), workload.trials),
         "trials": trial_timings(rows, "x", world),
         "wait_cpu_per_s": follower_wait_cpu(record, holds),
         "holds": holds,
         "left": record["left"],
-        "killed_at_deadline": record.get("killed_at_deadline", []),
-        "wall_s": record["wall_s"],
-        "cpu_at_exit_s": record["cpu_at_exit_s"],
     }
-    save_raw(name, record, result)
-    result["timeline"] = cpu_timelines(record)
-    progress(
-        f"  {workload.tag} {system} w={world}: exit={record['exit_code']}"
-        f" ok={result['completed']} trials={successes}/{workload.trials}"
-        f" left={len(record['left'])} {result['error'][:100]}"
-    )
-    return result
+    finish(name, record, result)
+    return {**result, "timeline": cpu_timelines(record)}
 
 
 def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
-    """One Lightning ``strategy="ddp"`` search, devices=2 (lightning_search.py)."""
+    """One Lightning ``strategy="ddp"`` search, devices=2 (workloads/lightning_search.py)."""
     name = f"{tag}_{system}"
     folder = tmp / name
     folder.mkdir()
@@ -251,31 +254,15 @@ def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
         *("--root", str(folder / "root"), "--timings", str(folder / "timings")),
     ]
     record = supervised(name, cmd, cwd=folder, deadline_s=60 + 15 * trials)
-    successes = neps_successes(folder / "root")
-    left = record["left"]
     result = {
         "system": system,
-        "exit_code": record["exit_code"],
-        "timed_out": record["timed_out"],
-        "neps_successes": successes,
-        "trials_wanted": trials,
-        "completed": record["exit_code"] == 0 and not record["timed_out"] and successes >= trials,
-        "error": "" if record["exit_code"] == 0 else error_line(record["log_tail"]),
-        "wall_s": record["wall_s"],
-        "cpu_at_exit_s": record["cpu_at_exit_s"],
-        "left": len(left),
-        "left_cpu_per_s": sum(process["cpu_per_wall_s"] for process in left),
-        "killed_at_deadline": len(record.get("killed_at_deadline", [])),
+        **outcome(record, neps_successes(folder / "root"), trials),
+        "left": len(record["left"]),
+        "left_cpu_per_s": sum(process["cpu_per_wall_s"] for process in record["left"]),
         "trials": trial_timings(read_timings(folder / "timings"), "lr", 2),
     }
-    save_raw(name, record, result)
-    result["timeline"] = cpu_timelines(record)
-    progress(
-        f"  {tag} {system}: exit={record['exit_code']} ok={result['completed']}"
-        f" trials={successes}/{trials} wall={record['wall_s']:.1f}s"
-        f" cpu={record['cpu_at_exit_s']} left={len(left)} {result['error'][:100]}"
-    )
-    return result
+    finish(name, record, result)
+    return {**result, "timeline": cpu_timelines(record)}
 
 
 def neps_trials(root: Path) -> list[Record]:
@@ -286,12 +273,8 @@ def neps_trials(root: Path) -> list[Record]:
             metadata = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # a trial file cut off by a kill
-        trials.append(
-            {
-                field: metadata.get(field)
-                for field in ("id", "state", "evaluating_worker_id", "time_started", "time_end")
-            }
-        )
+        fields = ("id", "state", "evaluating_worker_id", "time_started", "time_end")
+        trials.append({field: metadata.get(field) for field in fields})
     return trials
 
 
@@ -336,69 +319,39 @@ def measure_groups(
         for trial in recorded
         if trial["state"] == "success" and trial["time_started"] and trial["time_end"]
     ]
-    span_s = (
-        max(trial["time_end"] for trial in succeeded)
-        - min(trial["time_started"] for trial in succeeded)
-        if succeeded
-        else None
-    )
-    wall_s = record["wall_s"]
-    error = ""
-    if record["exit_code"] != 0:
-        error = group_logs_error(folder / "logs") or error_line(record["log_tail"])
+    span_s = None
+    if succeeded:
+        span_s = max(trial["time_end"] for trial in succeeded) - min(
+            trial["time_started"] for trial in succeeded
+        )
     result = {
         "layout": key,
         "groups": groups,
         "nproc_per_group": nproc_per_group,
-        "exit_code": record["exit_code"],
-        "timed_out": record["timed_out"],
-        "neps_successes": len(succeeded),
+        **outcome(record, len(succeeded), trials),
         "trials_recorded": len(recorded),
-        "trials_wanted": trials,
-        "completed": record["exit_code"] == 0
-        and not record["timed_out"]
-        and len(succeeded) >= trials,
         "workers": len({trial["evaluating_worker_id"] for trial in succeeded}),
         "span_s": span_s,
         "trials_per_min": 60 * len(succeeded) / span_s if span_s else None,
-        "wall_s": wall_s,
-        "trials_per_min_wall": 60 * len(succeeded) / wall_s if wall_s else None,
-        "cpu_at_exit_s": record["cpu_at_exit_s"],
+        "trials_per_min_wall": 60 * len(succeeded) / record["wall_s"] if record["wall_s"] else None,
         "left": len(record["left"]),
-        "killed_at_deadline": len(record.get("killed_at_deadline", [])),
-        "error": error,
         "trials": recorded,
     }
-    save_raw(name, record, result, raw_dir)
+    if record["exit_code"] != 0:
+        result["error"] = group_logs_error(folder / "logs") or result["error"]
     span_text = "n/a" if span_s is None else f"{span_s:.1f}s"
-    tpm = result["trials_per_min"]
-    progress(
-        f"  {tag} {key}: exit={record['exit_code']} ok={result['completed']}"
-        f" trials={len(succeeded)}/{trials} workers={result['workers']} span={span_text}"
-        f" trials/min={'n/a' if tpm is None else f'{tpm:.1f}'} wall={wall_s:.1f}s"
-        f" left={result['left']} {error[:100]}"
-    )
+    finish(name, record, result, raw_dir, f"workers={result['workers']} span={span_text} ")
     return result
 
 
 def measure_group_layouts(config: BenchConfig, tmp: Path, raw_dir: Path = RAW) -> list[Record]:
     """Every layout of GROUP_LAYOUTS ``groups_runs`` times, interleaved; the first layout
     alternates between runs so that neither always goes first."""
-    launches = []
-    for run_index in range(config.groups_runs):
-        layouts = GROUP_LAYOUTS if run_index % 2 == 0 else GROUP_LAYOUTS[::-1]
-        for groups, nproc_per_group in layouts:
-            launches.append(
-                measure_groups(
-                    groups,
-                    nproc_per_group,
-                    config.groups_trials,
-                    f"groups{run_index}",
-                    tmp,
-                    raw_dir,
-                )
-            )
-    return launches
+    return [
+        measure_groups(*layout, config.groups_trials, f"groups{run_index}", tmp, raw_dir)
+        for run_index in range(config.groups_runs)
+        for layout in (GROUP_LAYOUTS if run_index % 2 == 0 else GROUP_LAYOUTS[::-1])
+    ]
 
 
 # ----------------------------------------------------------------------------- all sections
@@ -408,10 +361,8 @@ def alternating(run_index: int) -> tuple[str, ...]:
 
 
 def measure_auth(repetitions: int = 2000) -> Record:
-    """What authenticating one trial message costs (issue 10): the leader tags it, a
-    follower checks the tag, for a 1 KB trial, in this process (no launch needed)."""
-    import time as clock
-
+    """What authenticating one trial message costs: the leader tags it, a follower checks
+    the tag, for a 1 KB trial, in this process (no launch needed)."""
     from neps_bcast.transport.auth import Signer, new_secret
     from neps_bcast.transport.messages import TrialMessage, encode
 
@@ -420,9 +371,9 @@ def measure_auth(repetitions: int = 2000) -> Record:
     payload = encode(message, tag="bench")
     samples = []
     for _ in range(repetitions):
-        start = clock.perf_counter()
+        start = time.perf_counter()
         signer.open("channel", signer.sign("channel", payload))
-        samples.append(clock.perf_counter() - start)
+        samples.append(time.perf_counter() - start)
     samples.sort()
     return {"bytes": len(payload), "median_us": samples[len(samples) // 2] * 1e6}
 
