@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
 from _proc import LAUNCH_MARKER, describe, launch_pids, procfs
 
 PR_SET_CHILD_SUBREAPER = 36

@@ -9,10 +9,7 @@ reads CLOCK_REALTIME and broadcasts the payload; each follower reads the clock w
 broadcast returns; an allgather brings the follower times back. Latency = the last
 follower's time minus the leader's. Then the leader holds ``--hold`` seconds while the
 followers wait in the receive, and each follower reports its process CPU time (all
-threads) over that wait.
-
-Everything that touches ``neps_bcast.transport.channel`` is in the section "the channel" below
-(``open_store`` and ``join_channel``): adapt those two when the channel's API changes.
+threads) over that wait. ``open_store`` and ``join_channel`` are the only uses of neps_bcast.
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +29,6 @@ from neps_bcast.config import Settings
 from neps_bcast.transport import store as control_store
 from neps_bcast.transport.channel import GlooChannel
 
-# ----------------------------------------------------------------------------- the channel
 SETTINGS = Settings.from_env()
 """neps_bcast's own timeouts (NEPS_BCAST_* variables or their defaults), as run() uses them."""
 
@@ -48,33 +42,17 @@ def open_store(address: str) -> tuple[Any, str]:
     return served, f"127.0.0.1:{served.port}"
 
 
-@dataclass(frozen=True)
-class Link:
-    """What this benchmark does with a channel, as neps_bcast's leader and followers do."""
-
-    broadcast: Callable[[bytes | None], bytes]
-    """The leader passes the payload, a follower None; every rank gets the payload back."""
-    allgather: Callable[[bytes], list[bytes]]
-    close: Callable[[], None]
+def join_channel(store: Any, group_rank: int, world: int) -> GlooChannel:
+    join_timeout = datetime.timedelta(seconds=SETTINGS.join_timeout_s)
+    wait_timeout = datetime.timedelta(seconds=SETTINGS.wait_timeout_s)
+    return GlooChannel.join(store, group_rank, world, join_timeout, wait_timeout)
 
 
-def join_channel(store: Any, group_rank: int, world: int) -> Link:
-    channel = GlooChannel.join(
-        store,
-        group_rank,
-        world,
-        datetime.timedelta(seconds=SETTINGS.join_timeout_s),
-        datetime.timedelta(seconds=SETTINGS.wait_timeout_s),
-    )
-    return Link(broadcast=channel.broadcast, allgather=channel.allgather, close=channel.close)
-
-
-# ----------------------------------------------------------------------------- measurement
 def now() -> float:
     return time.clock_gettime(time.CLOCK_REALTIME)
 
 
-def measure(link: Link, group_rank: int, args: argparse.Namespace) -> dict[str, object]:
+def measure(link: GlooChannel, group_rank: int, args: argparse.Namespace) -> dict[str, object]:
     payload_sizes = [int(size) for size in args.payloads.split(",") if size]
     is_leader = group_rank == 0
     latencies: dict[str, list[float]] = {}

@@ -12,7 +12,7 @@ a fixed-width MLP (8-256-256-1), CPU, gloo; only the learning rate is searched (
 search), so no trial costs more than another. Sized so that a trial takes seconds, not the
 ~0.2 s of a 16-step trial, whose throughput is mostly Lightning's per-fit set-up. The
 timings are NePS's own (``time_started`` / ``time_end`` in each trial's ``metadata.json``);
-this script records nothing itself.
+this script records nothing itself. Model, data and trainer: ``lightning_search.py``'s.
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import argparse
 import logging
 import os
 
-import lightning as L
 import neps
-import torch
+from lightning_search import Regressor, ddp_trainer, regression_data
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import neps_bcast
 
@@ -38,53 +37,16 @@ class Space(neps.PipelineSpace):
     lr = neps.Float(1e-3, 1e-1, log=True)
 
 
-class MLP(L.LightningModule):
-    def __init__(self, lr: float) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(8, HIDDEN),
-            nn.ReLU(),
-            nn.Linear(HIDDEN, HIDDEN),
-            nn.ReLU(),
-            nn.Linear(HIDDEN, 1),
-        )
-        self.lr = lr
-
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
-        inputs, targets = batch
-        return nn.functional.mse_loss(self.net(inputs), targets)
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
-        inputs, targets = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(inputs), targets), sync_dist=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
-def loader(size: int, seed: int, ranks: int) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(size, 8, generator=generator)
-    noise = 0.1 * torch.randn(size, 1, generator=generator)
-    dataset = TensorDataset(inputs, (inputs[:, :1] * 2.0 + noise).float())
-    return DataLoader(dataset, batch_size=GLOBAL_BATCH // ranks)
-
-
 def evaluate_pipeline(lr: float) -> float:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=ranks,
-        strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = ddp_trainer(devices=ranks)
     with neps_bcast.session():
-        trainer.fit(MLP(lr), loader(SAMPLES, 0, ranks), loader(SAMPLES // 4, 1, ranks))
+        layers = (nn.Linear(8, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU())
+        trainer.fit(
+            Regressor(nn.Sequential(*layers, nn.Linear(HIDDEN, 1)), lr),
+            DataLoader(regression_data(SAMPLES, 0), batch_size=GLOBAL_BATCH // ranks),
+            DataLoader(regression_data(SAMPLES // 4, 1), batch_size=GLOBAL_BATCH // ranks),
+        )
     return float(trainer.callback_metrics["val_loss"].item())
 
 

@@ -2,12 +2,13 @@
 
     python benchmarks/workloads/lightning_search.py --system ours|builtin --root R --timings T --trials 20
 
-Run as a plain script; Lightning re-runs it for rank 1 (``devices=2``, CPU, gloo).
-``ours``: every rank calls ``neps_bcast.run`` and trains inside ``neps_bcast.session()``.
-``builtin``: every rank calls ``neps.run`` (NePS 0.17's own DDP mode). Same tiny model,
-data and optimizer (random search: the optimizer's own cost stays out of the picture).
-Each rank appends ``{"rank", "lr", "t_enter"}`` to ``<timings>/rank<r>.jsonl`` when it
-enters the trial; the leader adds NePS's ``t_started`` for the trial.
+Run as a plain script; Lightning re-runs it, arguments and all, for rank 1 (``devices=2``,
+CPU, gloo). ``ours``: every rank calls ``neps_bcast.run`` and trains inside
+``neps_bcast.session()``. ``builtin``: every rank calls ``neps.run`` (NePS 0.17's own DDP
+mode). Same tiny model, data and optimizer (random search: the optimizer's own cost stays
+out of the picture). Each rank appends ``{"rank", "lr", "t_enter"}`` to
+``<timings>/rank<r>.jsonl`` when it enters the trial; the leader adds NePS's ``t_started``
+for the trial. The model, data and trainer are shared with ``groups_search.py``.
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-RANK = int(os.environ.get("LOCAL_RANK", "0"))
-TIMINGS = Path(os.environ.get("BENCH_TIMINGS", "."))
-SYSTEM = os.environ.get("BENCH_SYSTEM", "ours")
-DEVICES = int(os.environ.get("BENCH_DEVICES", "2"))
+import neps_bcast
+
+ARGS: argparse.Namespace
 
 
-class Tiny(L.LightningModule):
-    def __init__(self, lr: float, hidden: int) -> None:
+class Regressor(L.LightningModule):
+    """``net`` (8 features -> 1) fitted to ``regression_data`` by SGD."""
+
+    def __init__(self, net: nn.Module, lr: float) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.net = net
         self.lr = lr
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
@@ -50,11 +52,26 @@ class Tiny(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
-def data(size: int, seed: int) -> TensorDataset:
+def regression_data(size: int, seed: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(seed)
     inputs = torch.randn(size, 8, generator=generator)
     noise = 0.1 * torch.randn(size, 1, generator=generator)
     return TensorDataset(inputs, (inputs[:, :1] * 2.0 + noise).float())
+
+
+def ddp_trainer(devices: int) -> L.Trainer:
+    """One epoch of ``strategy="ddp"`` on CPU, nothing written, every rank seeded alike."""
+    L.seed_everything(0, verbose=False)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
 
 
 class Space(neps.PipelineSpace):
@@ -63,69 +80,46 @@ class Space(neps.PipelineSpace):
 
 
 def evaluate_pipeline(lr: float, hidden: int) -> float:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
     record: dict[str, object] = {
-        "rank": RANK,
+        "rank": rank,
         "lr": lr,
         "t_enter": time.clock_gettime(time.CLOCK_REALTIME),
     }
-    if RANK == 0:
+    if rank == 0:
         from neps.runtime import get_in_progress_trial
 
         trial = get_in_progress_trial()
         record.update(trial=trial.id, t_started=trial.metadata.time_started)
-    with (TIMINGS / f"rank{RANK}.jsonl").open("a") as timings:
+    with (Path(ARGS.timings) / f"rank{rank}.jsonl").open("a") as timings:
         timings.write(json.dumps(record) + "\n")
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=DEVICES,
-        strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    import neps_bcast
-
-    scope = neps_bcast.session() if SYSTEM == "ours" else contextlib.nullcontext()
-    with scope:
+    trainer = ddp_trainer(devices=2)
+    with neps_bcast.session() if ARGS.system == "ours" else contextlib.nullcontext():
         trainer.fit(
-            Tiny(lr, hidden),
-            DataLoader(data(256, 0), batch_size=64),
-            DataLoader(data(128, 1), batch_size=64),
+            Regressor(nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 1)), lr),
+            DataLoader(regression_data(256, 0), batch_size=64),
+            DataLoader(regression_data(128, 1), batch_size=64),
         )
     return float(trainer.callback_metrics["val_loss"].item())
 
 
 def main() -> None:
+    global ARGS  # noqa: PLW0603
     parser = argparse.ArgumentParser()
     parser.add_argument("--system", choices=("ours", "builtin"), required=True)
     parser.add_argument("--root", required=True)
     parser.add_argument("--timings", required=True)
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--devices", type=int, default=2)
-    args = parser.parse_args()
-    # Lightning's child re-runs this script with a copy of this environment.
-    os.environ.update(
-        BENCH_TIMINGS=args.timings, BENCH_SYSTEM=args.system, BENCH_DEVICES=str(args.devices)
-    )
-    global TIMINGS, SYSTEM, DEVICES
-    TIMINGS, SYSTEM, DEVICES = Path(args.timings), args.system, args.devices
-    TIMINGS.mkdir(parents=True, exist_ok=True)
+    ARGS = parser.parse_args()
+    Path(ARGS.timings).mkdir(parents=True, exist_ok=True)
     logging.getLogger("lightning").setLevel(logging.WARNING)
-    kwargs = dict(
+    (neps_bcast.run if ARGS.system == "ours" else neps.run)(
+        evaluate_pipeline,
         pipeline_space=Space(),
-        root_directory=args.root,
-        total_evaluations_to_spend=args.trials,
+        root_directory=ARGS.root,
+        total_evaluations_to_spend=ARGS.trials,
         optimizer="random_search",
     )
-    if args.system == "ours":
-        import neps_bcast
-
-        neps_bcast.run(evaluate_pipeline, **kwargs)
-    else:
-        neps.run(evaluate_pipeline, **kwargs)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import neps
 
+import neps_bcast
+
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 ARGS: argparse.Namespace
@@ -63,10 +65,7 @@ def evaluate_pipeline(x: float, payload: str = "") -> float:
         trial = get_in_progress_trial()
         record.update(trial=trial.id, t_started=trial.metadata.time_started)
     log(record)
-    scope = (
-        __import__("neps_bcast").session() if ARGS.system == "ours" else contextlib.nullcontext()
-    )
-    with scope:
+    with neps_bcast.session() if ARGS.system == "ours" else contextlib.nullcontext():
         if RANK == 0:
             COUNT += 1
             wait_for_followers(x)
@@ -108,18 +107,13 @@ def main() -> None:
     parser.add_argument("--barrier-timeout", type=float, default=180.0)
     ARGS = parser.parse_args()
     payloads = [int(size) for size in ARGS.payloads.split(",") if size]
-    kwargs = dict(
+    (neps_bcast.run if ARGS.system == "ours" else neps.run)(
+        evaluate_pipeline,
         pipeline_space=space(payloads),
         root_directory=ARGS.root,
         total_evaluations_to_spend=ARGS.trials,
         optimizer=ARGS.optimizer,
     )
-    if ARGS.system == "ours":
-        import neps_bcast
-
-        neps_bcast.run(evaluate_pipeline, **kwargs)
-    else:
-        neps.run(evaluate_pipeline, **kwargs)
 
 
 if __name__ == "__main__":
