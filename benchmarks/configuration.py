@@ -116,7 +116,3 @@ FULL = BenchConfig(
 )
 
 CONFIGS: dict[Mode, BenchConfig] = {"quick": QUICK, "full": FULL}
-
-
-def make_target(mode: Mode) -> str:
-    return "bench" if mode == "quick" else "bench-full"

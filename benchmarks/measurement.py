@@ -380,7 +380,7 @@ def measure_auth(repetitions: int = 2000) -> Record:
 
 def measure_all(config: BenchConfig, tmp: Path) -> Record:
     """Every section in order; returns the raw results ``analysis.summarize`` reads."""
-    raw: Record = {"plain": {}, "sweep": {}, "e2e": [], "reliability": [], "bo": {}}
+    raw: Record = {"plain": {}, "sweep": {}, "bo": {}}
     raw["auth"] = measure_auth()
     progress("1/6 neps_bcast channel alone")
     raw["channel"] = {
@@ -404,17 +404,16 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
     for system in SYSTEMS:
         raw["sweep"][system] = measure_plain(system, 2, sweep, tmp)
 
-    progress("3/6 end to end, Lightning ddp x2 (interleaved)")
-    for run_index in range(config.e2e_runs):
-        for system in alternating(run_index):
-            raw["e2e"].append(measure_lightning(system, config.e2e_trials, f"e2e{run_index}", tmp))
-
-    progress("4/6 reliability, Lightning ddp x2 (interleaved)")
-    for run_index in range(config.rel_runs):
-        for system in alternating(run_index):
-            raw["reliability"].append(
-                measure_lightning(system, config.rel_trials, f"rel{run_index}", tmp)
-            )
+    for step, section, tag, runs, trials in (
+        ("3/6 end to end", "e2e", "e2e", config.e2e_runs, config.e2e_trials),
+        ("4/6 reliability", "reliability", "rel", config.rel_runs, config.rel_trials),
+    ):
+        progress(f"{step}, Lightning ddp x2 (interleaved)")
+        raw[section] = [
+            measure_lightning(system, trials, f"{tag}{run_index}", tmp)
+            for run_index in range(runs)
+            for system in alternating(run_index)
+        ]
 
     progress("5/6 Bayesian optimization at world 2 (interleaved)")
     bayesian = PlainWorkload(

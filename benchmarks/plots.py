@@ -46,9 +46,7 @@ def plot_handoff_by_world(axes: Any, summary: dict[str, Any]) -> None:
         color="tab:green",
         label="neps_bcast channel alone (1 KB)",
     )
-    axes.set_xticks([2, 4, 8])
-    axes.set_yscale("log")
-    axes.set_xlabel("world size (processes)")
+    axes.set(xticks=[2, 4, 8], xlabel="world size (processes)", yscale="log")
     axes.set_ylabel("handoff latency (ms, log)")
     axes.set_title("Trial start -> last follower starts (plain DDP)")
     axes.grid(True, which="both", alpha=0.3)
@@ -69,11 +67,8 @@ def plot_handoff_by_payload(axes: Any, summary: dict[str, Any]) -> None:
                 linestyle="-" if system == "ours" else "--",
                 label=f"{SYSTEM_LABELS[system]}, world {world}",
             )
-    axes.set_xscale("log")
-    axes.set_yscale("log")
-    axes.set_xlabel("trial arguments (KB, log)")
-    axes.set_ylabel("median handoff latency (ms, log)")
-    axes.set_title("Handoff vs payload")
+    axes.set(xscale="log", yscale="log", xlabel="trial arguments (KB, log)")
+    axes.set(ylabel="median handoff latency (ms, log)", title="Handoff vs payload")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize=7, ncol=2)
 
@@ -110,10 +105,9 @@ def plot_follower_cpu(axes: Any, launches: dict[str, Any], title: str) -> None:
             axes.axvline(timeline["t_exit"] - t_start, color=color, ls=":", lw=1)
         for hold_start, hold_end in launch.get("holds", []):
             axes.axvspan(hold_start - t_start, hold_end - t_start, color=color, alpha=0.12)
-    axes.set_title(title)
-    axes.set_xlabel("seconds since launch")
-    axes.set_ylabel("CPU (% of one core)")
-    axes.set_ylim(-5, 130)
+    axes.set(
+        title=title, xlabel="seconds since launch", ylabel="CPU (% of one core)", ylim=(-5, 130)
+    )
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=8, loc="upper left")
 

@@ -20,7 +20,6 @@ from configuration import (
     BenchConfig,
     Mode,
     layout_key,
-    make_target,
 )
 
 Summary = dict[str, Any]
@@ -327,7 +326,7 @@ def render_report(
     return f"""# neps_bcast vs NePS built-in DDP mode
 
 Mode: `{mode}`. Command: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}`
-(`make {make_target(mode)}`); took {seconds / 60:.1f} min.
+(`make {"bench" if mode == "quick" else "bench-full"}`); took {seconds / 60:.1f} min.
 Machine: {", ".join(f"{key} {value}" for key, value in machine.items())}.
 Generated {time.strftime("%Y-%m-%d %H:%M:%S")}. Both systems ran in this one run, interleaved
 (for each cell: neps_bcast, then NePS built-in, then the next cell), on the same workloads.
