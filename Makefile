@@ -44,6 +44,7 @@ lint: install
 	$(PY) -m ruff check src tests examples benchmarks
 	$(PY) -m ruff format --check src tests examples benchmarks
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 # The newest stack: requirements.lock without its torch line, plus requirements-newest.lock.
 install-newest: $(STAMP_NEWEST)

@@ -8,10 +8,9 @@ import pickle
 import pytest
 
 from neps_bcast.compat import torch as tc
-from neps_bcast.errors import AuthError
+from neps_bcast.errors import AuthError, ErrorRecord
 from neps_bcast.transport import store
 from neps_bcast.transport.auth import Signer
-from neps_bcast.transport.messages import ErrorRecord
 
 SIGNER = Signer(b"s" * 32)
 

@@ -20,7 +20,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from neps_bcast.ddp.group import drop_finished_frames, group_connections
+from neps_bcast.ddp.group import group_connections
+from neps_bcast.ddp.teardown import drop_finished_frames
 from neps_bcast.transport import peers, sockets
 from neps_bcast.transport.auth import Signer
 

@@ -20,14 +20,13 @@ import pytest
 from harness import base_env, neps_trials
 from neps_bcast.compat import procfs
 from neps_bcast.config import Settings
-from neps_bcast.errors import LaunchError
+from neps_bcast.errors import SettingsError
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import (
     LEASE_FILE,
     Lease,
     Owner,
     read_lease,
-    retry_limit,
     why_dead,
 )
 
@@ -107,11 +106,11 @@ def test_a_trial_without_a_lease_is_dead_once_neps_started_it_a_grace_period_ago
 
 @pytest.mark.parametrize("raw", ["-1", "three", "1.5"])
 def test_a_bad_retry_limit_names_the_variable(raw: str) -> None:
-    with pytest.raises(LaunchError) as info:
-        retry_limit(Settings.from_env({"NEPS_BCAST_MAX_RETRIES": raw}))
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env({"NEPS_BCAST_MAX_RETRIES": raw})
     assert f"NEPS_BCAST_MAX_RETRIES={raw!r} is not a whole number >= 0." in str(info.value)
-    assert retry_limit(Settings.from_env({"NEPS_BCAST_MAX_RETRIES": "0"})) == 0
-    assert retry_limit(Settings()) == 3
+    assert Settings.from_env({"NEPS_BCAST_MAX_RETRIES": "0"}).max_retries == 0
+    assert Settings().max_retries == 3
 
 
 def test_the_heartbeat_renews_the_lease_until_the_trial_ends(tmp_path: Path) -> None:

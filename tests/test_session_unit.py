@@ -454,15 +454,14 @@ def test_fake_group_mismatched_trial_ids_raise_on_every_rank() -> None:
 
         def body(rt: runtime.Runtime) -> Any:
             run = TrialRun(rt, msg)
-            rt.current = run
             error = None
-            try:
-                with neps_bcast.session():
-                    entered.append(rt.group_rank)
-            except Exception as exc:  # returned to the test
-                error = exc
-            run.end(error)
-            rt.current = None
+            with run.running():
+                try:
+                    with neps_bcast.session():
+                        entered.append(rt.group_rank)
+                except Exception as exc:  # returned to the test
+                    error = exc
+                run.end(error)
             return error
 
         return body

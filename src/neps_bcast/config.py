@@ -2,16 +2,18 @@
 
 Why one module: a setting read at import time cannot be changed by a test or a user
 after ``import neps_bcast``, and a name spelled in two modules drifts. Each variable is
-listed once in ``VARIABLES`` (name, meaning, default); README's table is this list.
+listed once in ``VARIABLES`` (name, kind, default, meaning), parsed and checked here
+only; docs/configuration.md is generated from this list.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+from typing import Literal
 
-from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.errors import SettingsError, format_message
 
 ENV_LEADER = "NEPS_BCAST_LEADER"
 """Internal: ``host:port`` of the leader's store, set by the leader for Lightning's children."""
@@ -22,12 +24,16 @@ ENV_CHILD_SECRET = "NEPS_BCAST_CHILD_SECRET"  # noqa: S105 - a variable name, no
 INTERNAL = (ENV_LEADER, ENV_FIRST_SEQ, ENV_CHILD_SECRET)
 
 
+Kind = Literal["seconds", "count", "text"]
+
+
 @dataclass(frozen=True)
 class Variable:
     name: str
     field: str
     default: str | None
     meaning: str
+    kind: Kind = "seconds"
 
 
 VARIABLES = (
@@ -61,6 +67,7 @@ VARIABLES = (
         None,
         "backend of the group neps_bcast forms for external launches (default: nccl"
         " with GPUs, else gloo)",
+        "text",
     ),
     Variable(
         "NEPS_BCAST_LEADER_ADDR",
@@ -68,12 +75,14 @@ VARIABLES = (
         None,
         "address other nodes use to reach the leader (default: the address that routes"
         " to MASTER_ADDR)",
+        "text",
     ),
     Variable(
         "NEPS_BCAST_HEARTBEAT_S",
         "heartbeat_s",
         "30",
-        "how often a leader renews the lease of the trial it evaluates (one small write)",
+        "how often a leader renews the lease of the trial it evaluates (one small write);"
+        " must be less than a third of NEPS_BCAST_LEASE_GRACE_S",
     ),
     Variable(
         "NEPS_BCAST_LEASE_GRACE_S",
@@ -86,7 +95,8 @@ VARIABLES = (
         "max_retries",
         "3",
         "how often a trial interrupted by an infrastructure failure goes back to pending"
-        " before it is recorded crashed",
+        " before it is recorded crashed (0: never)",
+        "count",
     ),
 )
 
@@ -101,30 +111,60 @@ class Settings:
     leader_addr: str | None = None
     heartbeat_s: float = 30.0
     lease_grace_s: float = 300.0
-    max_retries: str = "3"
-    """A count, parsed (and checked) by ``neps_bcast.recovery.lease_file.retry_limit``."""
+    max_retries: int = 3
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Every setting from the environment, each checked; ``SettingsError`` names the
+        first bad one and its fix."""
         env = os.environ if environ is None else environ
-        types = {f.name: f.type for f in fields(cls)}
-        values: dict[str, float | str | None] = {}
-        for var in VARIABLES:
-            raw = env.get(var.name) or var.default
-            if raw is None or types[var.field] != "float":
-                values[var.field] = raw
-                continue
-            try:
-                seconds = float(raw)
-            except ValueError:
-                seconds = -1.0
-            if not seconds > 0:
-                raise LaunchError(
-                    format_message(
-                        "neps_bcast settings",
-                        f"{var.name}={raw!r} is not a positive number of seconds.",
-                        f"unset {var.name} (default {var.default}) or set it to seconds, e.g. 60.",
-                    )
+        values = {var.field: _parse(var, env.get(var.name) or var.default) for var in VARIABLES}
+        settings = cls(**values)  # type: ignore[arg-type]  # each value has its field's type
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """The rules between settings (each value alone is checked when it is read)."""
+        if not self.heartbeat_s < self.lease_grace_s / 3:
+            raise SettingsError(
+                format_message(
+                    "neps_bcast settings",
+                    f"NEPS_BCAST_HEARTBEAT_S={self.heartbeat_s:g} is not less than a third of"
+                    f" NEPS_BCAST_LEASE_GRACE_S={self.lease_grace_s:g}: a live trial on"
+                    " another host would look dead between two heartbeats.",
+                    "make the heartbeat shorter or the grace longer, e.g."
+                    f" NEPS_BCAST_HEARTBEAT_S={self.lease_grace_s / 10:g}.",
                 )
-            values[var.field] = seconds
-        return cls(**values)  # type: ignore[arg-type]  # each value has its field's type
+            )
+
+
+def _parse(var: Variable, raw: str | None) -> float | int | str | None:
+    if raw is None or var.kind == "text":
+        return raw
+    if var.kind == "count":
+        try:
+            count = int(raw)
+        except ValueError:
+            count = -1
+        if count < 0:
+            raise SettingsError(
+                format_message(
+                    "neps_bcast settings",
+                    f"{var.name}={raw!r} is not a whole number >= 0.",
+                    f"unset {var.name} (default {var.default}) or set it to a count, e.g. 5.",
+                )
+            )
+        return count
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise SettingsError(
+            format_message(
+                "neps_bcast settings",
+                f"{var.name}={raw!r} is not a positive number of seconds.",
+                f"unset {var.name} (default {var.default}) or set it to seconds, e.g. 60.",
+            )
+        )
+    return seconds

@@ -6,11 +6,70 @@ so that a line in any rank's log says where it came from and what to try.
 
 from __future__ import annotations
 
+import json
+import time
+import traceback
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import Any
 
-if TYPE_CHECKING:
-    from neps_bcast.transport.messages import ErrorRecord
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """One rank's failure, as data (after torchelastic's error files)."""
+
+    group_rank: int
+    type_name: str
+    message: str
+    traceback: str
+    timestamp: float
+    pid: int = 0
+    secondary: bool = False
+    """True for an error caused by another rank's failure (a peer closed the group)."""
+
+    @classmethod
+    def from_exception(
+        cls, group_rank: int, exc: BaseException, *, pid: int, secondary: bool = False
+    ) -> ErrorRecord:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(
+            group_rank, type(exc).__name__, str(exc), tb, time.time(), pid=pid, secondary=secondary
+        )
+
+    def headline(self) -> str:
+        return f"rank {self.group_rank}: {self.type_name}: {self.message}"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_dict(cls, raw: object) -> ErrorRecord:
+        if not isinstance(raw, dict):
+            raise ValueError(f"an error record must be an object, got {type(raw).__name__}")
+        return cls(
+            group_rank=_typed(raw, "group_rank", int),
+            type_name=_typed(raw, "type_name", str),
+            message=_typed(raw, "message", str),
+            traceback=_typed(raw, "traceback", str),
+            timestamp=float(_typed(raw, "timestamp", (int, float))),
+            pid=_typed(raw, "pid", int),
+            secondary=_typed(raw, "secondary", bool),
+        )
+
+    @classmethod
+    def from_json(cls, payload: bytes) -> ErrorRecord | None:
+        """The record, or None for anything that is not one (never executes anything)."""
+        try:
+            return cls.from_dict(json.loads(payload.decode()))
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+
+def _typed(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = raw.get(name)
+    if not isinstance(value, kind):
+        raise ValueError(f"field {name!r} has the wrong type")
+    return value
 
 
 class NepsBcastError(RuntimeError):
@@ -23,6 +82,10 @@ class SessionError(NepsBcastError):
 
 class LaunchError(NepsBcastError):
     """The launch environment is inconsistent or was not recognised."""
+
+
+class SettingsError(NepsBcastError):
+    """A ``NEPS_BCAST_*`` setting has a value neps_bcast cannot use."""
 
 
 class MessageError(NepsBcastError):

@@ -1,4 +1,10 @@
-"""The leader: rank 0 of a group, the only process that talks to NePS."""
+"""The leader: rank 0 of a group, the only process that talks to NePS.
+
+All of the leader's orchestration is here: the root lock and the leases around
+``neps.run`` (``lead``), the function NePS calls in place of the user's (``wrap``),
+which hands each trial to the group, evaluates it here and settles it in NePS however
+it ended, and the STOP that ends the followers.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import neps as neps_compat
-from neps_bcast.errors import FollowerLostError, TrialFailedError, first_line, format_message
+from neps_bcast.errors import (
+    ErrorRecord,
+    FollowerLostError,
+    NepsBcastError,
+    TrialFailedError,
+    first_line,
+    format_message,
+)
 from neps_bcast.recovery.lease import Leases
-from neps_bcast.recovery.signals import Terminated
+from neps_bcast.recovery.root_lock import RootGuard
+from neps_bcast.recovery.signals import Terminated, sigterm_raises
 from neps_bcast.runtime import Runtime
-from neps_bcast.transport.messages import ErrorRecord, TrialMessage
-from neps_bcast.trial import Outcome, evaluate_once, failure_text
+from neps_bcast.transport.messages import TrialMessage
+from neps_bcast.trial import Outcome, evaluate_once, failure_text, running
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""
@@ -196,7 +211,7 @@ def let_leader_record(rt: Runtime, root_directory: Path, leases: Leases | None =
     if rt.settled.wait(RECORD_GRACE_S):
         time.sleep(RECORD_GRACE_S)  # settled: it is leaving; kill only if it hangs
         return
-    run = rt.current
+    run = running(rt)
     if run is None:
         return
     error = rt.lost(RuntimeError("Lightning's process observer is ending the launch"))
@@ -207,3 +222,54 @@ def let_leader_record(rt: Runtime, root_directory: Path, leases: Leases | None =
             leases.give_back(run.message.trial_id, Path(directory), first_line(error))
         else:
             neps_compat.record_crashed(run.message.trial_id, root_directory, error)
+
+
+def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[str, Any]) -> None:
+    """Rank 0: run ``neps.run`` with ``fn`` handed to the group, then stop the followers."""
+    import neps
+
+    # Absolute from the start: the user's function may chdir, and the trial is recorded
+    # (by NePS, or by us after an interrupt) in the root the search started in.
+    root = Path(kwargs.get("root_directory", neps_compat.ROOT_DIRECTORY_DEFAULT)).resolve()
+    kwargs = {**kwargs, "root_directory": root}
+    # Every NePS lock taken in this process, by us or by NePS before neps.run sets it, is
+    # the kind neps.run uses (a flock does not exclude another worker's lockf).
+    neps_compat.use_neps_locking()
+    guard = RootGuard(root, rt.settings.root_lock_timeout_s)
+    leases = Leases(root, rt.settings)
+
+    @functools.wraps(fn)
+    def first_trial_releases(*args: Any, **fn_kwargs: Any) -> Any:
+        guard.release()  # NePS gave us a trial: the state on disk is complete
+        return fn(*args, **fn_kwargs)
+
+    wrapped = wrap(rt, first_trial_releases, root, leases)
+    if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
+        lightning_compat.before_observer_kills(lambda: let_leader_record(rt, root, leases))
+    try:
+        with sigterm_raises():
+            guard.acquire()
+            try:
+                overwrite = bool(kwargs.get("overwrite_root_directory"))
+                space = guard.prepare(pipeline_space, overwrite)
+                if not overwrite:
+                    # Before NePS samples: trials whose leader died go back to pending,
+                    # and NePS hands out pending trials before sampling new ones.
+                    leases.recover_orphans()
+                neps.run(wrapped, space, **kwargs)
+            finally:
+                leases.close()
+                guard.release()
+                rt.settled.set()
+    except SearchAborted as aborted:
+        with contextlib.suppress(Exception):
+            rt.close()
+        raise aborted.error from None
+    except BaseException as exc:
+        try:
+            rt.shutdown(f"the leader's neps.run raised {type(exc).__name__}: {exc}")
+        except NepsBcastError as stop_error:
+            rt.log(logging.ERROR, "could not stop the followers: %s", stop_error)
+        raise
+    rt.shutdown("the search is over (the leader's neps.run returned)")
+    rt.log(logging.INFO, "done")

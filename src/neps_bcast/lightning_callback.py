@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from neps_bcast import runtime
 from neps_bcast.compat import lightning as lightning_compat
-from neps_bcast.ddp.group import free_trials_at_exit
+from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import ProtocolError, format_message
 
 _CHECKS: dict[str, type] = {}

@@ -2,7 +2,7 @@
 
 A ``Runtime`` ties together who this rank is (``launch``, ``settings``), its link to the
 group (``link``: store and channel), the user's DDP group (``group``) and the trial being
-evaluated (``current``, a ``protocol.TrialRun``). It sends and receives the leader's
+evaluated (``trial.running()``). It sends and receives the leader's
 messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py``.
 """
 
@@ -13,7 +13,6 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
 from neps_bcast.ddp.group import UserGroup, group_connections
@@ -31,9 +30,6 @@ from neps_bcast.transport.auth import Signer, new_secret, secret_text
 from neps_bcast.transport.channel import ChannelClosedError
 from neps_bcast.transport.link import Link
 from neps_bcast.transport.messages import Message, Report, StopMessage, TrialMessage, decode, encode
-
-if TYPE_CHECKING:
-    from neps_bcast.trial import TrialRun
 
 _CHANNEL = "channel"
 """Authentication context of every message on the control channel."""
@@ -62,7 +58,6 @@ class Runtime:
         self._first: tuple[int, bytes] | None = None
         """Leader before its group exists: the trial Lightning's children will start with."""
         self._set_env: list[str] = []
-        self.current: TrialRun | None = None
         self.seq = 0
         self.owns_group = False
         self.settled = threading.Event()
@@ -220,24 +215,7 @@ class Runtime:
 
     def lost(self, exc: BaseException) -> LeaderLostError | FollowerLostError:
         """The error for losing a peer: which follower and how, or the leader."""
-        if self.group_rank == 0:
-            who = self.link.peers.describe_lost(self.link.store, self.world_size)
-            return FollowerLostError(
-                format_message(
-                    self.tag,
-                    f"{who or 'a follower left the group'} ({first_line(exc)}).",
-                    "a follower killed by a signal cannot report its error: see its log;"
-                    " the search stops here, and running the same command again resumes it.",
-                )
-            )
-        return LeaderLostError(
-            format_message(
-                self.tag,
-                f"lost the leader (rank 0): {first_line(exc)}.",
-                "the leader process exited or was killed; see its log. This follower"
-                " stops because no one is left to hand it trials.",
-            )
-        )
+        return _lost(self, exc)
 
     # -- the end ---------------------------------------------------------------
     def shutdown(self, reason: str) -> None:
@@ -267,3 +245,24 @@ def _expect_order(message: Message, tag: str) -> TrialMessage | StopMessage:
     if not isinstance(message, TrialMessage | StopMessage):
         raise ProtocolError(format_message(tag, f"expected a trial, got {message!r}."))
     return message
+
+
+def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostError:
+    if rt.group_rank == 0:
+        who = rt.link.peers.describe_lost(rt.link.store, rt.world_size)
+        return FollowerLostError(
+            format_message(
+                rt.tag,
+                f"{who or 'a follower left the group'} ({first_line(exc)}).",
+                "a follower killed by a signal cannot report its error: see its log;"
+                " the search stops here, and running the same command again resumes it.",
+            )
+        )
+    return LeaderLostError(
+        format_message(
+            rt.tag,
+            f"lost the leader (rank 0): {first_line(exc)}.",
+            "the leader process exited or was killed; see its log. This follower"
+            " stops because no one is left to hand it trials.",
+        )
+    )

@@ -11,6 +11,7 @@ from typing import Any
 
 from neps_bcast import runtime as _runtime
 from neps_bcast.errors import NepsBcastError, SessionError, format_message
+from neps_bcast.trial import running
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ def session() -> Iterator[Trial]:
     its error, and the leader's NePS records the trial as crashed with that text.
     """
     rt = _runtime.active()
-    run = rt.current if rt is not None else None
+    run = running(rt) if rt is not None else None
     if rt is None or run is None:
         where = "outside neps_bcast.run" if rt is None else "between trials"
         raise SessionError(

@@ -18,13 +18,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import is_peer_closed
 from neps_bcast.errors import (
+    ErrorRecord,
     NepsBcastError,
     ProtocolError,
     TrialFailedError,
@@ -32,11 +34,9 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.transport.messages import ErrorRecord, Phase, Report, TrialMessage
+from neps_bcast.runtime import Runtime
+from neps_bcast.transport.messages import Phase, Report, TrialMessage
 from neps_bcast.transport.store import ErrorBoard
-
-if TYPE_CHECKING:
-    from neps_bcast.runtime import Runtime
 
 
 class TrialRun:
@@ -55,6 +55,15 @@ class TrialRun:
     @property
     def config(self) -> dict[str, Any]:
         return {k: v for k, v in self.message.kwargs.items() if k not in INJECTED_ARGUMENTS}
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """While the block runs, ``running(rt)`` is this trial."""
+        _RUNNING[self.rt] = self
+        try:
+            yield
+        finally:
+            _RUNNING.pop(self.rt, None)
 
     def _report(self, phase: Phase) -> Report:
         m = self.message
@@ -187,6 +196,16 @@ class TrialRun:
         return format_message(self.rt.tag, failure_text(records, self.message.trial_id))
 
 
+_RUNNING: weakref.WeakKeyDictionary[Runtime, TrialRun] = weakref.WeakKeyDictionary()
+"""The trial each ``Runtime`` is evaluating (one per process, but the unit tests run
+several ranks' runtimes in threads of one process)."""
+
+
+def running(rt: Runtime) -> TrialRun | None:
+    """The trial ``rt`` is evaluating now (``session()`` and Lightning's observer ask)."""
+    return _RUNNING.get(rt)
+
+
 @dataclass(frozen=True)
 class Outcome:
     result: Any
@@ -205,8 +224,7 @@ def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) ->
     re-raised.
     """
     run = TrialRun(rt, message)
-    rt.current = run
-    try:
+    with run.running():
         result: Any = None
         error: Exception | None = None
         try:
@@ -224,8 +242,6 @@ def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) ->
             run.interrupted(exc)
             raise
         return Outcome(result, error, run.end(error))
-    finally:
-        rt.current = None
 
 
 def sort_records(records: list[ErrorRecord]) -> list[ErrorRecord]:

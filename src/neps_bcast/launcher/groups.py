@@ -25,12 +25,11 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 from neps_bcast.compat import procfs
 from neps_bcast.launcher import status
-from neps_bcast.launcher.plan import ENV_LAUNCH_ID, TAG, GroupPlan, LaunchPlan, group_environment
+from neps_bcast.launcher.plan import ENV_LAUNCH_ID, GroupPlan, LaunchPlan, group_environment
 
 RANK_LOG_MODULE = "neps_bcast.launcher.rank_log"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -137,43 +136,6 @@ class Signals:
                 os.read(self._read, 4096)
 
 
-class Display:
-    """Status lines: redrawn in place every ``interval_s`` on a terminal; otherwise (a
-    file, a pipe) plain lines, written when a group's state or counts change, and at
-    least every ``quiet_s``, so a log does not fill with identical lines."""
-
-    def __init__(self, stream: IO[str], interval_s: float, quiet_s: float = 60.0) -> None:
-        self.stream = stream
-        self.interval_s = interval_s
-        self.quiet_s = quiet_s
-        self.is_tty = stream.isatty()
-        self._drawn = 0
-        self._next = 0.0
-        self._last_key: object = None
-        self._last_plain = 0.0
-
-    def say(self, text: str) -> None:
-        self._drawn = 0  # whatever was drawn stays above this message
-        self.stream.write(f"[{TAG}] {text}\n")
-        self.stream.flush()
-
-    def show(self, lines: Sequence[str], key: object, now: float, *, force: bool = False) -> None:
-        """``key``: what the lines say apart from the clock (plain lines on change)."""
-        if not force and now < self._next:
-            return
-        self._next = now + self.interval_s
-        if not self.is_tty:
-            if not force and key == self._last_key and now - self._last_plain < self.quiet_s:
-                return
-            self._last_key, self._last_plain = key, now
-        elif self._drawn:
-            self.stream.write(f"\x1b[{self._drawn}F")
-        for line in lines:
-            self.stream.write(("\x1b[2K" if self.is_tty else "") + line + "\n")
-        self._drawn = len(lines) if self.is_tty else 0
-        self.stream.flush()
-
-
 def _read_logs(groups: Sequence[Group], now: float) -> None:
     for g in groups:
         if g.follower is not None:
@@ -198,14 +160,6 @@ def _key(groups: Sequence[Group]) -> object:
         (g.state, g.leader.attempt, g.leader.trial, g.leader.finished, g.leader.failed)
         for g in groups
     ]
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join("    " + line for line in lines[-n:])
 
 
 def left_of_launch(launch_id: str) -> list[int]:
@@ -234,7 +188,7 @@ class Launcher:
     def __init__(self, plan: LaunchPlan, settings: Settings, out: IO[str]) -> None:
         self.plan = plan
         self.settings = settings
-        self.display = Display(out, settings.status_interval_s)
+        self.display = status.Display(out, settings.status_interval_s)
         self.launch_id = uuid.uuid4().hex
         self.signals = Signals()
         self.groups: list[Group] = []
@@ -280,7 +234,7 @@ class Launcher:
                     log = g.plan.log_dir / "torchrun.log"
                     self.display.say(
                         f"group {g.plan.index} failed (exit {code}); the other groups go on."
-                        f" The end of {log}:\n{_tail(log, 12)}"
+                        f" The end of {log}:\n{status.tail(log, 12)}"
                     )
         _read_logs(self.groups, now)
         running = any(g.proc.poll() is None for g in self.groups)

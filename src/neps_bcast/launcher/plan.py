@@ -188,21 +188,17 @@ def _counts(
             "pass --nproc-per-group N (GPUs per trial); --groups then defaults to"
             f" {n_devices} // N.",
         )
-    if nproc is None and groups is not None:
-        nproc = n_devices // groups
-        if nproc < 1:
+    if nproc is None or groups is None:
+        option, given = ("--groups", groups) if groups is not None else ("--nproc-per-group", nproc)
+        assert given is not None  # one of the two is given (checked above)
+        if n_devices // given < 1:
             raise _fail(
-                f"--groups {groups} is more than the {n_devices} devices ({devices_text}).",
-                f"pass --groups {n_devices} or fewer, or list more devices with --devices.",
+                f"{option} {given} is more than the {n_devices} devices ({devices_text}).",
+                f"pass {option} {n_devices} or fewer, or list more devices with --devices.",
             )
-    if groups is None and nproc is not None:
-        groups = n_devices // nproc
-        if groups < 1:
-            raise _fail(
-                f"--nproc-per-group {nproc} is more than the {n_devices} devices ({devices_text}).",
-                f"pass --nproc-per-group {n_devices} or fewer, or list more devices with"
-                " --devices.",
-            )
+        groups, nproc = (
+            (given, n_devices // given) if option == "--groups" else (n_devices // given, given)
+        )
     if groups is None or nproc is None:  # pragma: no cover - every case is handled above
         raise _fail("internal: no group size was decided.", "report this as a bug.")
     return groups, nproc

@@ -1,4 +1,4 @@
-"""One status line per group, read from the group's leader log.
+"""One status line per group, read from the group's leader log, and how they are shown.
 
 Why from the log: the launcher must not talk to NePS or to the ranks (it would need the
 root directory, which only the script knows, or a channel of its own). The leader's log
@@ -11,8 +11,12 @@ writes one header line per attempt. Reading appended bytes every few seconds is 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+from neps_bcast.launcher.plan import TAG
 
 HANDED = re.compile(r"trial (\S+) \(#\d+\) handed to the group")
 EVALUATED = re.compile(r"evaluated trial: (\S+) as (?:State\.)?(\w+)")
@@ -81,3 +85,48 @@ def status_line(
         f"group {index}{where}: {state:<9} restarts {log.attempt}  {trial:<22}"
         f" finished {log.finished}  failed {log.failed}"
     )
+
+
+class Display:
+    """Status lines: redrawn in place every ``interval_s`` on a terminal; otherwise (a
+    file, a pipe) plain lines, written when a group's state or counts change, and at
+    least every ``quiet_s``, so a log does not fill with identical lines."""
+
+    def __init__(self, stream: IO[str], interval_s: float, quiet_s: float = 60.0) -> None:
+        self.stream = stream
+        self.interval_s = interval_s
+        self.quiet_s = quiet_s
+        self.is_tty = stream.isatty()
+        self._drawn = 0
+        self._next = 0.0
+        self._last_key: object = None
+        self._last_plain = 0.0
+
+    def say(self, text: str) -> None:
+        self._drawn = 0  # whatever was drawn stays above this message
+        self.stream.write(f"[{TAG}] {text}\n")
+        self.stream.flush()
+
+    def show(self, lines: Sequence[str], key: object, now: float, *, force: bool = False) -> None:
+        """``key``: what the lines say apart from the clock (plain lines on change)."""
+        if not force and now < self._next:
+            return
+        self._next = now + self.interval_s
+        if not self.is_tty:
+            if not force and key == self._last_key and now - self._last_plain < self.quiet_s:
+                return
+            self._last_key, self._last_plain = key, now
+        elif self._drawn:
+            self.stream.write(f"\x1b[{self._drawn}F")
+        for line in lines:
+            self.stream.write(("\x1b[2K" if self.is_tty else "") + line + "\n")
+        self._drawn = len(lines) if self.is_tty else 0
+        self.stream.flush()
+
+
+def tail(path: Path, n: int) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in lines[-n:])

@@ -31,11 +31,9 @@ and after each of their trials (before NePS chooses the next one).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,7 +45,6 @@ from neps_bcast.recovery.lease_file import (
     Lease,
     Owner,
     read_lease,
-    retry_limit,
     why_dead,
     write_lease,
 )
@@ -60,7 +57,7 @@ class Leases:
         self.root = Path(root_directory)
         self.heartbeat_s = settings.heartbeat_s
         self.grace_s = settings.lease_grace_s
-        self.max_retries = retry_limit(settings)
+        self.max_retries = settings.max_retries
         self.me = Owner.me()
         self._held: tuple[Path, Lease] | None = None
         self._lock = threading.Lock()
@@ -205,16 +202,3 @@ class Leases:
             return f"recorded crashed after {count} interruptions"
         book.set_pending(trial_id)
         return f"back to pending (interruption {count} of at most {self.max_retries} retried)"
-
-
-@contextlib.contextmanager
-def leased(leases: Leases | None, trial_id: str, trial_dir: Path | None) -> Iterator[None]:
-    """Hold the lease on one trial while the block runs (nothing if there is no lease)."""
-    if leases is None or trial_dir is None:
-        yield
-        return
-    leases.take(trial_id, trial_dir)
-    try:
-        yield
-    finally:
-        leases.drop()

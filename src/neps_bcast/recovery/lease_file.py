@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from neps_bcast.compat import procfs
-from neps_bcast.config import Settings
-from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.log import logger
 
 LEASE_FILE = ".neps_bcast_lease.json"
@@ -164,21 +162,3 @@ def why_dead(
             f" (grace {grace_s:.0f} s)"
         )
     return None
-
-
-def retry_limit(settings: Settings) -> int:
-    raw = settings.max_retries
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise LaunchError(
-            format_message(
-                "neps_bcast settings",
-                f"NEPS_BCAST_MAX_RETRIES={raw!r} is not a whole number >= 0.",
-                "unset NEPS_BCAST_MAX_RETRIES (default 3) or set it to a count, e.g. 5"
-                " (0: never retry a trial).",
-            )
-        )
-    return limit

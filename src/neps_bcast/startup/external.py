@@ -12,10 +12,10 @@ control store there for the followers.
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import socket
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,70 +23,92 @@ import torch
 import torch.distributed as dist
 
 from neps_bcast.compat import torch as _tc
+from neps_bcast.config import Settings
 from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.runtime import Runtime
+from neps_bcast.log import logger, rank_tag
 from neps_bcast.startup import rendezvous
+from neps_bcast.startup.launch import Launch
 from neps_bcast.startup.rendezvous import Meeting
 from neps_bcast.transport import auth
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.link import Link
 from neps_bcast.transport.store import put as store_put
 from neps_bcast.transport.store import take as store_take
 
 
-def start(rt: Runtime, fingerprint: dict[str, str]) -> None:
-    """Meet, agree on the secret, form the group (unless the user did), join the channel."""
-    launch = rt.launch
+@dataclass
+class Started:
+    """What ``start`` leaves to its caller, who joins the channel next."""
+
+    owns_group: bool
+    """neps_bcast formed the default group (and destroys it at the end)."""
+    secret_file: Path | None = None
+    """Where the leader left the secret for this host's ranks: removed once all joined."""
+
+    def forget_secret(self) -> None:
+        if self.secret_file is not None:
+            self.secret_file.unlink(missing_ok=True)
+
+
+def start(
+    launch: Launch, settings: Settings, link: Link, signer: Signer, fingerprint: dict[str, str]
+) -> Started:
+    """Meet, agree on the secret, form the group (unless the user did), reach the leader.
+
+    The caller then joins the control channel (``Runtime.ensure_channel``) and calls
+    ``Started.forget_secret`` once every rank has joined.
+    """
     user_secret = auth.secret_from_env()
     if user_secret is not None:
-        rt.signer.use(user_secret)
+        signer.use(user_secret)
     if dist.is_initialized():
-        rt.observe_group()
-        _hand_over_on_the_users_group(rt, user_secret)
-        rt.ensure_channel()
-        return
+        _hand_over_on_the_users_group(launch, settings, link, signer, user_secret)
+        return Started(owns_group=False)
     if launch.main_address is None or launch.main_port is None:
         raise LaunchError(
             format_message(
-                rt.tag,
+                rank_tag(),
                 f"{launch.launcher} launch without a rendezvous address.",
                 "set MASTER_ADDR and MASTER_PORT for every rank.",
             )
         )
     assert launch.world_size is not None  # external launches always know it
-    join_timeout = datetime.timedelta(seconds=rt.settings.join_timeout_s)
+    join_timeout = datetime.timedelta(seconds=settings.join_timeout_s)
     store = rendezvous.rendezvous_store(launch, join_timeout)
     # The secret is compared like the arguments: a rank with another one is named on
     # every rank before trial 1 (by a check value, never the secret itself).
-    check = rt.signer.check_value("meet") if user_secret is not None else "not set"
+    check = signer.check_value("meet") if user_secret is not None else "not set"
     meeting = rendezvous.meet(launch, store, {**fingerprint, auth.ENV_SECRET: check}, join_timeout)
     prefix = meeting.prefix
-    rt.link.loopback = meeting.is_single_host
+    link.loopback = meeting.is_single_host
     shared = _tc.PrefixStore(prefix, store)
     secret_file = None
     if user_secret is None:
-        secret_file = _agree_on_a_secret(rt, shared, meeting)
-    backend = _backend(rt)
-    rt.log(logging.DEBUG, "forming the DDP group (%s)", backend)
+        secret_file = _agree_on_a_secret(launch, signer, shared, meeting)
+    backend = _backend(launch, settings)
+    logger.debug("forming the DDP group (%s)", backend)
     dist.init_process_group(
         backend,
         store=_tc.PrefixStore(f"{prefix}/pg", store),
         rank=launch.global_rank,
         world_size=launch.world_size,
     )
-    rt.owns_group = True
-    rt.observe_group()
-    if rt.group_rank == 0:
-        address = f"{_leader_address(rt)}:{rt.link.serve().port}"
-        store_put(shared, rt.signer, "leader", address.encode())
-    else:
-        rt.link.connect(store_take(shared, rt.signer, "leader").decode())
+    started = Started(owns_group=True, secret_file=secret_file)
     try:
-        rt.ensure_channel()
-    finally:
-        if secret_file is not None:  # every rank has joined: it has read the secret
-            secret_file.unlink(missing_ok=True)
+        if launch.global_rank == 0:
+            address = f"{_leader_address(launch, settings)}:{link.serve().port}"
+            store_put(shared, signer, "leader", address.encode())
+        else:
+            link.connect(store_take(shared, signer, "leader").decode())
+    except BaseException:
+        started.forget_secret()
+        raise
+    return started
 
 
-def _agree_on_a_secret(rt: Runtime, shared: _tc.Store, meeting: Meeting) -> Path | None:
+def _agree_on_a_secret(
+    launch: Launch, signer: Signer, shared: _tc.Store, meeting: Meeting
+) -> Path | None:
     """No NEPS_BCAST_SECRET: the leader makes one and hands it to the other ranks.
 
     On one host, through a file only this user can read (its path goes through the
@@ -95,8 +117,7 @@ def _agree_on_a_secret(rt: Runtime, shared: _tc.Store, meeting: Meeting) -> Path
     """
     if not meeting.is_single_host:
         hosts = len(set(meeting.hosts))
-        rt.log(
-            logging.WARNING,
+        logger.warning(
             "this group spans %d hosts and %s is not set: the control store and channel"
             " are authenticated with a secret that passed through the launcher's store,"
             " so anyone who can reach that store's port can read it and drive the ranks."
@@ -107,7 +128,7 @@ def _agree_on_a_secret(rt: Runtime, shared: _tc.Store, meeting: Meeting) -> Path
             auth.ENV_SECRET,
         )
     path: Path | None = None
-    if rt.group_rank == 0:
+    if launch.global_rank == 0:
         secret = auth.new_secret()
         if meeting.is_single_host:
             handle, name = tempfile.mkstemp(prefix="neps_bcast-secret-")  # mode 0600
@@ -121,48 +142,50 @@ def _agree_on_a_secret(rt: Runtime, shared: _tc.Store, meeting: Meeting) -> Path
         secret = bytes.fromhex(Path(shared.get("secret_file").decode()).read_text())
     else:
         secret = bytes.fromhex(shared.get("secret").decode())
-    rt.signer.use(secret)
+    signer.use(secret)
     return path
 
 
-def _hand_over_on_the_users_group(rt: Runtime, user_secret: bytes | None) -> None:
+def _hand_over_on_the_users_group(
+    launch: Launch, settings: Settings, link: Link, signer: Signer, user_secret: bytes | None
+) -> None:
     """The user formed the group before neps_bcast.run: hand the address (and, without
     NEPS_BCAST_SECRET, the secret) over on it: its connections link the ranks directly."""
     gloo = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     hosts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname(), group=gloo)
-    rt.link.loopback = len(set(hosts)) == 1
+    link.loopback = len(set(hosts)) == 1
     box: list[Any] = [None, None]
-    if rt.group_rank == 0:
-        box = [f"{_leader_address(rt)}:{rt.link.serve().port}", None]
+    if launch.global_rank == 0:
+        box = [f"{_leader_address(launch, settings)}:{link.serve().port}", None]
         if user_secret is None:
-            box[1] = auth.secret_text(rt.signer.secret)
+            box[1] = auth.secret_text(signer.secret)
     dist.broadcast_object_list(box, src=0, group=gloo)
     if gloo is not None:
         dist.destroy_process_group(gloo)
-    if rt.group_rank != 0:
+    if launch.global_rank != 0:
         if box[1] is not None:
-            rt.signer.use(bytes.fromhex(str(box[1])))
-        rt.link.connect(str(box[0]))
+            signer.use(bytes.fromhex(str(box[1])))
+        link.connect(str(box[0]))
 
 
-def _backend(rt: Runtime) -> str:
-    if rt.settings.backend:
-        return rt.settings.backend
+def _backend(launch: Launch, settings: Settings) -> str:
+    if settings.backend:
+        return settings.backend
     if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():
-        torch.cuda.set_device(rt.launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
         return "nccl"
     return "gloo"
 
 
-def _leader_address(rt: Runtime) -> str:
+def _leader_address(launch: Launch, settings: Settings) -> str:
     """The address of this host that the other nodes use to reach the leader."""
-    if rt.settings.leader_addr:
-        return rt.settings.leader_addr
-    target = rt.launch.main_address or "127.0.0.1"
+    if settings.leader_addr:
+        return settings.leader_addr
+    target = launch.main_address or "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
-            probe.connect((target, rt.launch.main_port or 29500))
+            probe.connect((target, launch.main_port or 29500))
             return str(probe.getsockname()[0])
         except OSError:
             return "127.0.0.1"

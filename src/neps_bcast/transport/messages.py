@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-import time
-import traceback
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from neps_bcast.errors import MessageError, format_message
+from neps_bcast.errors import ErrorRecord, MessageError, format_message
 
 
 class Phase(str, Enum):
@@ -47,57 +45,6 @@ class TrialMessage:
 @dataclass(frozen=True)
 class StopMessage:
     reason: str
-
-
-@dataclass(frozen=True)
-class ErrorRecord:
-    """One rank's failure, as data (after torchelastic's error files)."""
-
-    group_rank: int
-    type_name: str
-    message: str
-    traceback: str
-    timestamp: float
-    pid: int = 0
-    secondary: bool = False
-    """True for an error caused by another rank's failure (a peer closed the group)."""
-
-    @classmethod
-    def from_exception(
-        cls, group_rank: int, exc: BaseException, *, pid: int, secondary: bool = False
-    ) -> ErrorRecord:
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return cls(
-            group_rank, type(exc).__name__, str(exc), tb, time.time(), pid=pid, secondary=secondary
-        )
-
-    def headline(self) -> str:
-        return f"rank {self.group_rank}: {self.type_name}: {self.message}"
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_dict(cls, raw: object) -> ErrorRecord:
-        if not isinstance(raw, dict):
-            raise ValueError(f"an error record must be an object, got {type(raw).__name__}")
-        return cls(
-            group_rank=_typed(raw, "group_rank", int),
-            type_name=_typed(raw, "type_name", str),
-            message=_typed(raw, "message", str),
-            traceback=_typed(raw, "traceback", str),
-            timestamp=float(_typed(raw, "timestamp", (int, float))),
-            pid=_typed(raw, "pid", int),
-            secondary=_typed(raw, "secondary", bool),
-        )
-
-    @classmethod
-    def from_json(cls, payload: bytes) -> ErrorRecord | None:
-        """The record, or None for anything that is not one (never executes anything)."""
-        try:
-            return cls.from_dict(json.loads(payload.decode()))
-        except (ValueError, UnicodeDecodeError):
-            return None
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,9 @@ import logging
 import socket
 
 from neps_bcast.compat.torch import PrefixStore, Store, TCPStore, set_bytes
-from neps_bcast.errors import AuthError
+from neps_bcast.errors import AuthError, ErrorRecord
 from neps_bcast.log import logger
 from neps_bcast.transport.auth import Signer
-from neps_bcast.transport.messages import ErrorRecord
 
 PREFIX = "neps_bcast"
 
