@@ -1,4 +1,5 @@
-"""Trial leases (issue 11) on real NePS roots and real processes, one process per worker.
+"""Trial leases (a trial whose worker died is evaluated again, never left evaluating) on
+real NePS roots and real processes, one process per worker.
 
 ``tests/scripts/recovery_single.py`` is one NePS worker through ``neps_bcast.run`` with
 no DDP (a trivial function, so each launch costs only its imports); a fault fires in
