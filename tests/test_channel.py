@@ -39,22 +39,23 @@ def _blob(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-# Payloads around the channel's first frames (4096-byte broadcast frame and 512-byte
-# gather frame, each starting with an 8-byte length): one collective when it fits, a
-# second one for the rest when it does not.
-BROADCASTS = (
+# Payloads around the channel's first frame (2048 bytes per rank, starting with an
+# 8-byte length): one collective when every payload fits, a second one for the rest
+# when one does not. The leader-only payloads are what a hand-over carries (a trial,
+# while the followers contribute a short "ready").
+LEADER_PAYLOADS = (
     b"",
     b"x",
     b"small payload \x00\xff",
-    _blob(4096 - 8, seed=2),
-    _blob(4096 - 7, seed=3),
+    _blob(2048 - 8, seed=2),
+    _blob(2048 - 7, seed=3),
     _blob(MB, seed=1),
 )
 GATHERS: tuple[Callable[[int, int], bytes], ...] = (
     lambda rank, size: _blob(1000 * rank, seed=rank),
     lambda rank, size: b"",
     lambda rank, size: _blob(MB if rank == size - 1 else 7, seed=10 + rank),
-    lambda rank, size: _blob(512 - 8 + (rank % 2), seed=20 + rank),
+    lambda rank, size: _blob(2048 - 8 + (rank % 2), seed=20 + rank),
 )
 
 
@@ -105,10 +106,10 @@ def _round_trips(
     channel = gloo_channel.join(store, rank, size, join_timeout, STORE_TIMEOUT)
     assert (channel.group_rank, channel.world_size) == (rank, size)
     seen: list[Any] = []
-    # Broadcast: empty, small, 1 MB; followers pass None.
-    for payload in BROADCASTS:
-        got = channel.broadcast(payload if rank == 0 else None)
-        seen.append(("broadcast", _digest(got)))
+    # Hand-over shaped: the leader's payload empty, small, 1 MB; the followers' short.
+    for payload in LEADER_PAYLOADS:
+        got = channel.allgather(payload if rank == 0 else b"ready")
+        seen.append(("hand-over", _digest(got[0]), got[1:]))
     # Allgather: sizes differ by rank, rank 0 sends nothing; then all empty; then one
     # rank 1 MB and the others small.
     for round_ in range(len(GATHERS)):
@@ -116,8 +117,8 @@ def _round_trips(
         seen.append(("allgather", [_digest(d) for d in channel.allgather(mine)]))
     # Several rounds, interleaved, in order.
     for i in range(5):
-        got = channel.broadcast(f"round {i}".encode() if rank == 0 else None)
-        seen.append(("round", got.decode()))
+        got = channel.allgather(f"round {i}".encode() if rank == 0 else b"ready")
+        seen.append(("round", got[0].decode()))
         seen.append(
             (
                 "round-gather",
@@ -134,15 +135,15 @@ def _round_trips(
     # Blocked for the next trial when the leader dies: must fail fast, not wait it out.
     start = time.monotonic()
     try:
-        channel.broadcast(None)
+        channel.allgather(b"ready")
     except ChannelClosedError as exc:
         results.send((rank, "closed", (str(exc), time.monotonic() - start)))
         return
-    results.send((rank, "error", "broadcast(None) returned after the leader was killed"))
+    results.send((rank, "error", "allgather returned after the leader was killed"))
 
 
 def _expected_round_trips(size: int) -> list[Any]:
-    seen: list[Any] = [("broadcast", _digest(p)) for p in BROADCASTS]
+    seen: list[Any] = [("hand-over", _digest(p), [b"ready"] * (size - 1)) for p in LEADER_PAYLOADS]
     for gather in GATHERS:
         seen.append(("allgather", [_digest(gather(r, size)) for r in range(size)]))
     for i in range(5):

@@ -234,13 +234,6 @@ class FakeGroup:
                 self.misuse.append(f"collective #{index}: {sorted(kinds)} on different ranks")
             return {r: p for r, (_, p) in slot.items()}
 
-    def broadcast(self, rank: int, payload: bytes | None) -> bytes:
-        if (payload is None) != (rank != 0):
-            self.misuse.append(f"rank {rank}: broadcast payload {payload!r:.40}")
-        out = self._collective(rank, "broadcast", payload)[0]
-        assert out is not None
-        return out
-
     def allgather(self, rank: int, payload: bytes) -> list[bytes]:
         out = self._collective(rank, "allgather", payload)
         return [out[r] or b"" for r in range(self.size)]
@@ -256,7 +249,7 @@ class FakeGroup:
             for r, k, p in self.ops
             if r == rank and k == kind and p is not None
         ]
-        return [decode(p, tag="test") for p in opened if p != b"bye"]
+        return [decode(p, tag="test") for p in opened]
 
     def phases(self, rank: int) -> list[str]:
         """The reports one rank contributed, in order."""
@@ -275,9 +268,6 @@ class FakeChannel:
         self.group_rank = group_rank
         self.world_size = group.size
 
-    def broadcast(self, payload: bytes | None) -> bytes:
-        return self.group.broadcast(self.group_rank, payload)
-
     def allgather(self, payload: bytes) -> list[bytes]:
         return self.group.allgather(self.group_rank, payload)
 
@@ -292,11 +282,11 @@ def test_fake_group_is_a_faithful_channel() -> None:
     channel: Channel = a  # the protocol is satisfied
     assert channel.world_size == 2
     with ThreadPoolExecutor(2) as pool:
-        fb = pool.submit(lambda: (b.broadcast(None), b.allgather(b"r1")))
-        assert a.broadcast(b"x") == b"x"
+        fb = pool.submit(lambda: (b.allgather(b"w1"), b.allgather(b"r1")))
+        assert a.allgather(b"x") == [b"x", b"w1"]
         assert a.allgather(b"r0") == [b"r0", b"r1"]
-        assert fb.result(timeout=BOUND_S) == (b"x", [b"r0", b"r1"])
-        waiting = pool.submit(b.broadcast, None)
+        assert fb.result(timeout=BOUND_S) == ([b"x", b"w1"], [b"r0", b"r1"])
+        waiting = pool.submit(b.allgather, b"w2")
         a.close()
         with pytest.raises(ChannelClosedError, match="closed by peer"):
             waiting.result(timeout=BOUND_S)
@@ -426,7 +416,7 @@ def test_fake_group_follower_evaluates_the_leaders_trials_until_stop(trial_ids: 
             assert trial.is_leader is (rank == 0)
             assert trial.pipeline_directory == Path(f"/r/configs/config_{trial.id}")
             assert trial.previous_pipeline_directory is None
-    sent = group.messages(0, "broadcast")
+    sent = [m for m in group.messages(0, "allgather") if isinstance(m, TrialMessage | StopMessage)]
     assert [type(m) for m in sent] == [TrialMessage] * 3 + [StopMessage]
     assert [m.seq for m in sent[:3]] == [1, 2, 3]
     # Every rank went through the same exchanges, and both closed their end.
@@ -454,6 +444,7 @@ def test_fake_group_mismatched_trial_ids_raise_on_every_rank() -> None:
 
         def body(rt: runtime.Runtime) -> Any:
             run = TrialRun(rt, msg)
+            rt.sent_seq = msg.seq  # as if the leader had handed it over
             error = None
             with run.running():
                 try:
@@ -552,3 +543,76 @@ def test_fake_group_error_on_one_rank_reaches_the_leader(trial_ids: list[str]) -
     assert followed is None
     assert results[2] == 0.3
     assert sorted(evaluated) == sorted((r, t) for r in (0, 1) for t in ("1", "2", "3"))
+
+
+def _trial_message(seq: int = 1, trial_id: str = "7") -> TrialMessage:
+    return TrialMessage(
+        seq=seq,
+        trial_id=trial_id,
+        kwargs={"lr": 0.1},
+        pipeline_directory=None,
+        previous_pipeline_directory=None,
+    )
+
+
+@pytest.mark.usefixtures("per_thread_runtime")
+@pytest.mark.parametrize("follower_at", ["session-enter", "trial-end"])
+def test_a_leader_that_stops_between_its_steps_never_hangs_its_followers(
+    follower_at: str,
+) -> None:
+    """The leader hands a trial over and then stops without evaluating it (an interrupt
+    between its two steps) while the follower is in that trial's session entry, or
+    already at its end (it raised before its session). Both meet in the same kind of
+    step: the follower learns the search is over where it expected the trial's
+    meeting, and both finish at once (the fake group records any wait that never
+    ends as a hang)."""
+    group, rts = make_runtimes(2)
+    entered: list[int] = []
+
+    def leader_body(rt: runtime.Runtime) -> None:
+        rt.send(_trial_message())
+        rt.shutdown("the leader was interrupted")
+
+    def evaluate(**kwargs: Any) -> None:
+        if follower_at == "trial-end":
+            raise ValueError("before the session")
+        with neps_bcast.session():
+            entered.append(1)
+
+    outcomes = on_ranks(rts, [leader_body, following(evaluate)])
+    group.assert_sane()
+    assert outcomes == [None, None]
+    assert entered == []
+    assert group.closed == {0, 1}
+
+
+@pytest.mark.usefixtures("per_thread_runtime")
+def test_ranks_at_different_steps_raise_on_every_rank_instead_of_waiting() -> None:
+    """The leader at a trial's end while its follower waits for the next trial (a bug
+    the protocol must detect, not wait out): both raise ``ProtocolError`` naming what
+    the other was doing."""
+    group, rts = make_runtimes(2)
+
+    def leader_body(rt: runtime.Runtime) -> BaseException | None:
+        rt.sent_seq = 1
+        run = TrialRun(rt, _trial_message())
+        try:
+            with run.running():
+                run.end(None)
+        except ProtocolError as exc:
+            return exc
+        return None
+
+    def follower_body(rt: runtime.Runtime) -> BaseException | None:
+        try:
+            rt.receive()
+        except ProtocolError as exc:
+            return exc
+        return None
+
+    lead_error, follow_error = on_ranks(rts, [leader_body, follower_body])
+    assert not group.hangs
+    assert isinstance(lead_error, ProtocolError)
+    assert "rank 1 was waiting for the next trial" in str(lead_error)
+    assert isinstance(follow_error, ProtocolError)
+    assert "waited for the next trial while rank 0 was at trial 7's trial-end" in str(follow_error)

@@ -28,7 +28,6 @@ def test_a_raw_gloo_group_is_not_registered_with_c10d() -> None:
     pg = tc.new_gloo_group(store, 0, 1, datetime.timedelta(seconds=10))
     assert not dist.is_initialized()
     data = torch.arange(4, dtype=torch.uint8)
-    tc.gloo_broadcast(pg, data)
     outs = [torch.zeros(4, dtype=torch.uint8)]
     tc.gloo_allgather(pg, outs, data)
     assert outs[0].tolist() == [0, 1, 2, 3]

@@ -125,6 +125,18 @@ class FollowerLostError(NepsBcastError):
     """The leader lost a follower in the middle of a trial."""
 
 
+class SearchStopped(NepsBcastError):
+    """Follower: the leader stopped the search while this rank was in a trial.
+
+    Raised where the follower expected the trial's next meeting (e.g. inside
+    ``session()``); the follower then ends the trial, says goodbye and returns.
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 def format_message(tag: str, what: str, hint: str | None = None) -> str:
     """Build the text of an error: ``[tag] what. HINT: hint``."""
     text = f"[{tag}] {what}"

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from neps_bcast.errors import LeaderLostError
+from neps_bcast.errors import LeaderLostError, SearchStopped
 from neps_bcast.recovery.signals import sigterm_raises
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import StopMessage, TrialMessage
@@ -31,7 +31,13 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
     message: TrialMessage | StopMessage = first if first is not None else rt.receive()
     while isinstance(message, TrialMessage):
         rt.log(logging.INFO, "trial %s (#%d) received", message.trial_id, message.seq)
-        outcome = evaluate_once(rt, fn, message)
+        try:
+            outcome = evaluate_once(rt, fn, message)
+        except SearchStopped as stopped:
+            # The leader left this trial and stopped (an interrupt between two of its
+            # steps): it is at STOP or goodbye already, so this rank goes there too.
+            message = StopMessage(stopped.reason)
+            break
         if outcome.failures:
             rt.log(
                 logging.INFO,

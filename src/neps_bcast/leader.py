@@ -28,7 +28,12 @@ from neps_bcast.errors import (
 )
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.root_lock import RootGuard
-from neps_bcast.recovery.signals import Terminated, sigterm_raises
+from neps_bcast.recovery.signals import (
+    Terminated,
+    raise_waiting_sigterm,
+    sigterm_raises,
+    wait_with_sigterm,
+)
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
 from neps_bcast.trial import Outcome, evaluate_once, failure_text, running
@@ -79,16 +84,26 @@ def evaluate_on_group(
     With ``leases``, the trial is leased while it runs; an infrastructure failure
     (SIGTERM, a lost or terminated follower) puts it back to pending instead of
     recording it crashed; and, once it ended, orphans of other leaders are handed back
-    before NePS chooses the next trial.
+    before NePS chooses the next trial. However the trial ends, it is settled in NePS
+    before this returns or raises: a SIGTERM from the lease on to the hand-back counts
+    as an interrupt of this trial, and from its end until NePS hands over the next one
+    it waits (``signals.wait_with_sigterm``) so that NePS records the result first.
     """
     info = neps_compat.current_trial()
-    if leases is not None and info.pipeline_directory is not None:
-        leases.take(info.trial_id, info.pipeline_directory)
     try:
-        outcome = _hand_and_evaluate(rt, fn, kwargs, root_directory, leases, info)
+        raise_waiting_sigterm()  # one that came while NePS sampled: this trial goes back
+        if leases is not None and info.pipeline_directory is not None:
+            leases.take(info.trial_id, info.pipeline_directory)
+        outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info)
+    except FollowerLostError as exc:
+        _abort(rt, info, root_directory, leases, exc)
+    except BaseException as exc:
+        _settle_interrupted(rt, info, root_directory, leases, exc)
+        raise
     finally:
         if leases is not None:
             leases.drop()
+    wait_with_sigterm()  # until NePS recorded this trial and hands over the next
     if leases is not None:
         _recover_orphans(rt, leases)
     if outcome.failures:
@@ -105,7 +120,6 @@ def _hand_and_evaluate(
     rt: Runtime,
     fn: Callable[..., Any],
     kwargs: dict[str, Any],
-    root_directory: Path,
     leases: Leases | None,
     info: neps_compat.NepsTrialInfo,
 ) -> Outcome:
@@ -118,19 +132,44 @@ def _hand_and_evaluate(
         previous_pipeline_directory=info.previous_pipeline_directory,
         group_generation=rt.next_generation(),
     )
-    try:
+
+    def hand_over() -> None:
         rt.send(message)
-    except FollowerLostError as exc:
-        _abort(rt, info, root_directory, leases, exc)
-    rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
+        rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
+
+    outcome = evaluate_once(rt, fn, message, hand_over)
+    terminated = _terminated_followers(outcome.failures)
+    if terminated and leases is not None:
+        # A follower got SIGTERM (and is leaving): the group is broken, and the trial
+        # was preempted, not failed by its config.
+        raise FollowerLostError(
+            format_message(
+                rt.tag,
+                "; ".join(
+                    f"rank {r.group_rank} was terminated ({r.type_name}: {r.message})"
+                    for r in terminated
+                )
+                + f" in trial {info.trial_id}.",
+                "the search stops here (its group lost a rank); the trial goes back to"
+                " pending, and running the same command again evaluates it.",
+            )
+        )
+    return outcome
+
+
+def _settle_interrupted(
+    rt: Runtime,
+    info: neps_compat.NepsTrialInfo,
+    root_directory: Path,
+    leases: Leases | None,
+    exc: BaseException,
+) -> None:
+    """Ctrl-C, SIGTERM, sys.exit: settle the trial before leaving, never leave it
+    "evaluating" in NePS's state. SIGTERM (preemption, a time limit) is no fault of the
+    trial: it goes back to pending; the others are the user's stop. Never raises: a
+    failure here (or a second signal) is attached to ``exc``, which keeps its meaning
+    and exit code."""
     try:
-        outcome = evaluate_once(rt, fn, message)
-    except FollowerLostError as exc:
-        _abort(rt, info, root_directory, leases, exc)
-    except BaseException as exc:
-        # Ctrl-C, SIGTERM, sys.exit: settle the trial before leaving, never leave it
-        # "evaluating" in NePS's state. SIGTERM (preemption, a time limit) is no fault
-        # of the trial: it goes back to pending; the others are the user's stop.
         if isinstance(exc, Terminated) and leases is not None and info.pipeline_directory:
             what = leases.give_back(
                 info.trial_id, info.pipeline_directory, f"preempted: SIGTERM to the leader ({exc})"
@@ -148,26 +187,18 @@ def _hand_and_evaluate(
                 root_directory,
                 RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
             )
+    except BaseException as secondary:  # noqa: BLE001 - the original interrupt wins
+        _attach(rt, exc, info.trial_id, secondary)
+    finally:
         rt.settled.set()
-        raise
-    terminated = _terminated_followers(outcome.failures)
-    if terminated and leases is not None:
-        # A follower got SIGTERM (and is leaving): the group is broken, and the trial
-        # was preempted, not failed by its config.
-        lost = FollowerLostError(
-            format_message(
-                rt.tag,
-                "; ".join(
-                    f"rank {r.group_rank} was terminated ({r.type_name}: {r.message})"
-                    for r in terminated
-                )
-                + f" in trial {info.trial_id}.",
-                "the search stops here (its group lost a rank); the trial goes back to"
-                " pending, and running the same command again evaluates it.",
-            )
-        )
-        _abort(rt, info, root_directory, leases, lost)
-    return outcome
+
+
+def _attach(rt: Runtime, exc: BaseException, trial_id: str, secondary: BaseException) -> None:
+    note = f"neps_bcast could not settle trial {trial_id} in NePS: {first_line(secondary)}"
+    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+    if callable(add_note):
+        add_note(note)
+    rt.log(logging.ERROR, "%s (while handling %s)", note, first_line(exc))
 
 
 def _terminated_followers(failures: list[ErrorRecord]) -> list[ErrorRecord]:
@@ -194,13 +225,19 @@ def _abort(
     leases: Leases | None,
     exc: FollowerLostError,
 ) -> NoReturn:
+    """The group lost a rank: settle the trial, then stop ``neps.run`` (never sample
+    again on a broken group, whatever happens while settling)."""
     rt.log(logging.ERROR, "%s", exc)
-    if leases is not None and info.pipeline_directory is not None:
-        what = leases.give_back(info.trial_id, info.pipeline_directory, first_line(exc))
-        rt.log(logging.WARNING, "trial %s: %s", info.trial_id, what)
-    else:
-        neps_compat.record_crashed(info.trial_id, root_directory, exc)
-    rt.settled.set()
+    try:
+        if leases is not None and info.pipeline_directory is not None:
+            what = leases.give_back(info.trial_id, info.pipeline_directory, first_line(exc))
+            rt.log(logging.WARNING, "trial %s: %s", info.trial_id, what)
+        else:
+            neps_compat.record_crashed(info.trial_id, root_directory, exc)
+    except BaseException as secondary:  # noqa: BLE001 - the search stops all the same
+        _attach(rt, exc, info.trial_id, secondary)
+    finally:
+        rt.settled.set()
     raise SearchAborted(exc) from exc
 
 
@@ -257,6 +294,7 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
                     # and NePS hands out pending trials before sampling new ones.
                     leases.recover_orphans()
                 neps.run(wrapped, space, **kwargs)
+                raise_waiting_sigterm()  # one that came while NePS recorded the last trial
             finally:
                 leases.close()
                 guard.release()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
@@ -21,6 +21,7 @@ from neps_bcast.errors import (
     FollowerLostError,
     LeaderLostError,
     ProtocolError,
+    SearchStopped,
     first_line,
     format_message,
 )
@@ -29,10 +30,17 @@ from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, new_secret, secret_text
 from neps_bcast.transport.channel import ChannelClosedError
 from neps_bcast.transport.link import Link
-from neps_bcast.transport.messages import Message, Report, StopMessage, TrialMessage, decode, encode
-
-_CHANNEL = "channel"
-"""Authentication context of every message on the control channel."""
+from neps_bcast.transport.messages import (
+    Goodbye,
+    Message,
+    Ready,
+    Report,
+    StopMessage,
+    TrialMessage,
+    decode,
+    encode,
+)
+from neps_bcast.transport.steps import Steps
 
 _ACTIVE: Runtime | None = None
 
@@ -59,6 +67,9 @@ class Runtime:
         """Leader before its group exists: the trial Lightning's children will start with."""
         self._set_env: list[str] = []
         self.seq = 0
+        self.sent_seq = 0
+        """Leader: the last trial the followers received (or Lightning's children will)."""
+        self.steps = Steps(self.signer)
         self.owns_group = False
         self.settled = threading.Event()
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
@@ -151,20 +162,39 @@ class Runtime:
             os.environ.pop(name, None)
         self._set_env = []
 
-    def send(self, message: Message) -> None:
-        """Leader: hand a message to every follower (first contact or broadcast)."""
-        payload = encode(message, tag=self.tag)
-        if self.ensure_channel():
-            assert self.link.channel is not None
-            try:
-                self.link.channel.broadcast(self.signer.sign(_CHANNEL, payload))
-            except ChannelClosedError as exc:
-                raise self.lost(exc) from exc
-        elif isinstance(message, TrialMessage):
-            self._first = (message.seq, payload)
+    def _step(self, mine: Message) -> list[Message]:
+        """One control step on the channel (see ``transport.steps``)."""
+        assert self.link.channel is not None
+        try:
+            return self.steps.take(self.link.channel, mine, self.tag)
+        except ChannelClosedError as exc:
+            raise self.lost(exc) from exc
+
+    def send(self, message: TrialMessage | StopMessage) -> None:
+        """Leader: hand a message to every follower (first contact or a step)."""
+        if not self.ensure_channel():
+            if isinstance(message, TrialMessage):
+                self._first = (message.seq, encode(message, tag=self.tag))
+                self.sent_seq = message.seq
+            return
+        others = self._step(message)[1:]
+        if isinstance(message, TrialMessage):
+            self.sent_seq = message.seq
+            late = [m for m in others if not isinstance(m, Ready)]
+            if late:
+                raise ProtocolError(
+                    format_message(
+                        self.tag,
+                        f"handed trial {message.trial_id} over while {_describe(late)}.",
+                        "this is a bug in neps_bcast; please report it with every rank's log.",
+                    )
+                )
+        # At STOP, a follower still in a trial finds it in that trial's meeting.
 
     def receive(self) -> TrialMessage | StopMessage:
         """Follower: wait (blocked, no polling) for the leader's next message."""
+        if self.steps.leader_stop is not None:
+            return self.steps.leader_stop
         if not self.ensure_channel():
             raise ProtocolError(
                 format_message(
@@ -173,12 +203,18 @@ class Runtime:
                     "this is a bug in neps_bcast; please report it.",
                 )
             )
-        assert self.link.channel is not None
-        try:
-            payload = self.link.channel.broadcast(None)
-        except ChannelClosedError as exc:
-            raise self.lost(exc) from exc
-        return _expect_order(decode(self.signer.open(_CHANNEL, payload), tag=self.tag), self.tag)
+        leaders = self._step(Ready(self.group_rank))[0]
+        if isinstance(leaders, TrialMessage | StopMessage):
+            return leaders
+        if self.steps.leader_stop is not None:  # the leader's goodbye
+            return self.steps.leader_stop
+        raise ProtocolError(
+            format_message(
+                self.tag,
+                f"waited for the next trial while {_describe([leaders])}.",
+                "this is a bug in neps_bcast; please report it with every rank's log.",
+            )
+        )
 
     def first_contact(self) -> TrialMessage:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
@@ -197,21 +233,40 @@ class Runtime:
         return message
 
     def exchange(self, report: Report) -> list[Report] | None:
-        """Every rank contributes a report; None when there is no group to exchange with."""
+        """Every rank contributes a report; None when there is no group to exchange with
+        (no channel, or a leader whose followers never received this trial)."""
+        self.check_stopped()
+        if self.group_rank == 0 and report.seq > self.sent_seq:
+            return None  # interrupted before the hand-over: the followers wait for the next
         if not self.ensure_channel():
             return None
-        assert self.link.channel is not None
-        try:
-            raw = self.link.channel.allgather(
-                self.signer.sign(_CHANNEL, encode(report, tag=self.tag))
+        messages = self._step(report)
+        self.check_stopped()
+        reports = [m for m in messages if isinstance(m, Report)]
+        if len(reports) != len(messages):
+            others = [m for m in messages if not isinstance(m, Report)]
+            raise ProtocolError(
+                format_message(
+                    self.tag,
+                    f"was at trial {report.trial_id}'s {report.phase.value} while"
+                    f" {_describe(others)}.",
+                    "this is a bug in neps_bcast; please report it with every rank's log.",
+                )
             )
-        except ChannelClosedError as exc:
-            raise self.lost(exc) from exc
-        reports = [decode(self.signer.open(_CHANNEL, r), tag=self.tag) for r in raw]
-        typed = [r for r in reports if isinstance(r, Report)]
-        if len(typed) != len(reports):
-            raise ProtocolError(format_message(self.tag, "a rank sent a non-report."))
-        return typed
+        return reports
+
+    def check_stopped(self) -> None:
+        """Follower: raise ``SearchStopped`` once a step brought the leader's STOP."""
+        stop = self.steps.leader_stop
+        if stop is not None and self.group_rank != 0:
+            raise SearchStopped(
+                format_message(
+                    self.tag,
+                    f"the leader stopped the search during this trial: {stop.reason}.",
+                    "nothing to do: this rank ends the trial and stops.",
+                ),
+                stop.reason,
+            )
 
     def lost(self, exc: BaseException) -> LeaderLostError | FollowerLostError:
         """The error for losing a peer: which follower and how, or the leader."""
@@ -230,15 +285,33 @@ class Runtime:
 
     def say_goodbye(self) -> None:
         """Leader and followers at STOP: the leader exits only after every goodbye."""
-        if self.link.channel is not None:
-            try:
-                self.link.channel.allgather(self.signer.sign(_CHANNEL, b"bye"))
-            except ChannelClosedError:
-                self.log(logging.DEBUG, "a peer left before saying goodbye")
+        if self.link.channel is None or self.steps.said_goodbye:
+            return
+        try:
+            self._step(Goodbye(self.group_rank))
+        except (LeaderLostError, FollowerLostError):
+            self.log(logging.DEBUG, "a peer left before saying goodbye")
 
     def close(self) -> None:
         self.link.close()
         self._forget_children_env()
+
+
+def _describe(messages: Sequence[Message]) -> str:
+    """What out-of-step ranks were doing, for an error text."""
+    parts = []
+    for m in messages:
+        if isinstance(m, Report):
+            parts.append(f"rank {m.group_rank} was at trial {m.trial_id}'s {m.phase.value}")
+        elif isinstance(m, Ready):
+            parts.append(f"rank {m.group_rank} was waiting for the next trial")
+        elif isinstance(m, Goodbye):
+            parts.append(f"rank {m.group_rank} was saying goodbye")
+        elif isinstance(m, TrialMessage):
+            parts.append(f"the leader handed trial {m.trial_id} over")
+        else:
+            parts.append(f"the leader stopped the search ({m.reason})")
+    return ", ".join(parts)
 
 
 def _expect_order(message: Message, tag: str) -> TrialMessage | StopMessage:

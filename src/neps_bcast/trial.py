@@ -215,24 +215,35 @@ class Outcome:
     """Every rank's failure in this trial, root causes first (empty: success)."""
 
 
-def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) -> Outcome:
+def evaluate_once(
+    rt: Runtime,
+    fn: Callable[..., Any],
+    message: TrialMessage,
+    hand_over: Callable[[], None] | None = None,
+) -> Outcome:
     """Evaluate one trial on this rank and end it together with every other rank.
 
     The DDP group is formed again first when a failure (or user code) ended it; an
     ``Exception`` there or in the function becomes part of the ``Outcome`` (every rank
     learns it); a ``BaseException`` (Ctrl-C, SIGTERM, ``sys.exit``) is reported, then
-    re-raised.
+    re-raised. ``hand_over`` (the leader's): handing the trial to the followers is the
+    trial's first step, so an interrupt that lands right after it still ends the trial
+    on every rank (the group released, the followers' meeting answered).
+
+    A follower whose step brought the leader's STOP raises ``SearchStopped``.
     """
     run = TrialRun(rt, message)
     with run.running():
         result: Any = None
         error: Exception | None = None
         try:
+            if hand_over is not None:
+                hand_over()
             # Part of the trial: once the followers hold it, nothing may end it on one
             # rank only. (Re-forming raised on the leader after the send in CI: a
             # follower that raised before its session had released the new group at
             # once. NePS recorded the error, the follower waited in its trial end, and
-            # the next trial's broadcast met that wait: both hung for ever.)
+            # the next trial's hand-over met that wait: both hung for ever.)
             if message.group_generation is not None:
                 run.form_group(message.group_generation)
             result = fn(**message.kwargs)
@@ -241,6 +252,7 @@ def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) ->
         except BaseException as exc:
             run.interrupted(exc)
             raise
+        rt.check_stopped()  # the leader stopped mid-trial: nothing left to meet
         return Outcome(result, error, run.end(error))
 
 

@@ -26,7 +26,6 @@ __all__ = [
     "abort_nccl",
     "close_gloo_group",
     "gloo_allgather",
-    "gloo_broadcast",
     "is_peer_closed",
     "new_gloo_group",
     "reset_group_names",
@@ -60,13 +59,6 @@ def new_gloo_group(
 ) -> dist.ProcessGroupGloo:
     """A gloo group that c10d does not know about (never the default or a named group)."""
     return dist.ProcessGroupGloo(store, group_rank, world_size, timeout)
-
-
-def gloo_broadcast(pg: dist.ProcessGroupGloo, tensor: torch.Tensor) -> None:
-    """Broadcast ``tensor`` in place from group rank 0; raises RuntimeError on failure."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    pg.broadcast([tensor], opts).wait()  # type: ignore[attr-defined]  # missing in the stubs
 
 
 def gloo_allgather(

@@ -5,10 +5,17 @@ A private gloo process group over the leader's own store. It is not registered w
 ``destroy_process_group()`` in user code does not touch it, its collectives never
 interleave with the user's, and it works unchanged when training uses NCCL.
 
-One message is one collective on the wire where it fits: every broadcast sends a
-fixed-size first frame (a length, then as much of the payload as fits); only a payload
-larger than the frame takes a second broadcast for the rest. Reports are gathered the
-same way. (The first release sent the size, then the payload: two round trips.)
+It has one operation: an allgather, in which every rank contributes one payload and
+every rank receives all of them. Every control step (handing over a trial, the
+meetings of a trial, STOP, goodbye) is that same operation with the same first frame,
+so two ranks that are at different steps never block each other in two different
+collectives: they meet in the same one, and each sees the other's message and its kind
+(the first release broadcast trials and gathered reports: a leader that broadcast STOP
+while its followers gathered a trial's reports hung every rank until the last-resort
+timeout). One step is one collective on the wire where it fits: a fixed-size first
+frame per rank (a length, then as much of the payload as fits); only a step in which
+some payload is larger takes a second allgather for the rest, and every rank knows it
+from the first frames.
 
 Waiting is bounded by the peers being alive, not by a clock: when a peer process dies
 its TCP connections close and a blocked receive fails within milliseconds, while a
@@ -31,10 +38,8 @@ import torch.distributed as dist
 from neps_bcast.compat import torch as tc
 from neps_bcast.transport.store import Keys, prefixed
 
-BROADCAST_FRAME = 4096
-"""Bytes of a broadcast's first frame: a trial of usual size travels whole in it."""
-GATHER_FRAME = 512
-"""Bytes per rank of an allgather's first frame: a report without an error fits."""
+FRAME = 2048
+"""Bytes per rank of a step's first frame: a trial or a report of usual size fits whole."""
 _LENGTH = struct.Struct("<Q")
 
 
@@ -55,10 +60,6 @@ class Channel(Protocol):
 
     group_rank: int
     world_size: int
-
-    def broadcast(self, payload: bytes | None) -> bytes:
-        """Leader passes the payload; every rank returns it."""
-        ...
 
     def allgather(self, payload: bytes) -> list[bytes]:
         """Every rank passes its payload; every rank returns all, by group rank."""
@@ -114,46 +115,21 @@ class GlooChannel:
         pg = tc.new_gloo_group(prefixed("pg", base), group_rank, world_size, wait_timeout)
         return cls(pg, group_rank, world_size)
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        try:
-            tc.gloo_broadcast(self._pg, tensor)
-        except RuntimeError as exc:
-            raise ChannelClosedError(str(exc)) from exc
-
     def _allgather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
         try:
             tc.gloo_allgather(self._pg, outputs, tensor)
         except RuntimeError as exc:
             raise ChannelClosedError(str(exc)) from exc
 
-    def broadcast(self, payload: bytes | None) -> bytes:
-        frame = (
-            _frame(payload, BROADCAST_FRAME)
-            if payload is not None
-            else torch.empty(BROADCAST_FRAME, dtype=torch.uint8)
-        )
-        self._broadcast(frame)
-        length, first = _unframe(frame)
-        rest = length - len(first)
-        if rest <= 0:
-            return payload if payload is not None else first
-        tail = (
-            torch.frombuffer(bytearray(payload[len(first) :]), dtype=torch.uint8)
-            if payload is not None
-            else torch.empty(rest, dtype=torch.uint8)
-        )
-        self._broadcast(tail)
-        return payload if payload is not None else first + tail.numpy().tobytes()
-
     def allgather(self, payload: bytes) -> list[bytes]:
-        frames = [torch.empty(GATHER_FRAME, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._allgather(frames, _frame(payload, GATHER_FRAME))
+        frames = [torch.empty(FRAME, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._allgather(frames, _frame(payload, FRAME))
         parts = [_unframe(f) for f in frames]
         longest_rest = max(length - len(first) for length, first in parts)
         if longest_rest <= 0:
             return [first for _, first in parts]
         mine = torch.zeros(longest_rest, dtype=torch.uint8)
-        extra = payload[GATHER_FRAME - _LENGTH.size :]
+        extra = payload[FRAME - _LENGTH.size :]
         if extra:
             mine[: len(extra)] = torch.frombuffer(bytearray(extra), dtype=torch.uint8)
         tails = [torch.empty(longest_rest, dtype=torch.uint8) for _ in range(self.world_size)]

@@ -2,8 +2,8 @@
 
 One ``Link`` per ``neps_bcast.run`` call. The leader serves the store; a follower
 connects to it (and starts its leader watch). Once the size of the group is known,
-every rank joins the control channel, and from then on the leader's messages are
-broadcasts. Before that (trial 1 of a Lightning launch, when the children do not exist
+every rank joins the control channel, and from then on every message is a control
+step on it (``steps``). Before that (trial 1 of a Lightning launch, when the children do not exist
 yet) the leader leaves the trial in the store for them. Every connection made here is
 recorded as neps_bcast's own, so that releasing the user's group never shuts it.
 """

@@ -1,8 +1,11 @@
 """What the ranks of a group say to each other, and how it is encoded.
 
-The leader sends a ``TrialMessage`` per trial and one ``StopMessage`` at the end. At
-fixed points of a trial every rank contributes a ``Report``; its ``Phase`` travels with
-it, so ranks at different points are detected instead of exchanging garbage.
+Every control step is one exchange in which every rank contributes one message (see
+``runtime``): the leader a ``TrialMessage`` per trial and one ``StopMessage`` at the
+end, while each follower contributes ``Ready`` (it waits for the next one); at fixed
+points of a trial every rank contributes a ``Report`` (its ``Phase`` travels with it);
+at the very end every rank contributes ``Goodbye``. Each message carries its kind, so
+ranks at different steps are detected at once instead of blocking each other.
 
 Encoding: one kind byte, a JSON header, and for a trial only, the pickled keyword
 arguments of the user's function. Control records (stop, reports, errors) are plain
@@ -56,10 +59,24 @@ class Report:
     error: ErrorRecord | None = None
 
 
-Message = TrialMessage | StopMessage | Report
+@dataclass(frozen=True)
+class Ready:
+    """A follower's part of a hand-over: it waits for the leader's next message."""
+
+    group_rank: int
+
+
+@dataclass(frozen=True)
+class Goodbye:
+    """Every rank's part of the last step: after it, the channel is closed."""
+
+    group_rank: int
+
+
+Message = TrialMessage | StopMessage | Report | Ready | Goodbye
 
 _HEAD = struct.Struct(">cI")  # kind, header length
-_TRIAL, _STOP, _REPORT = b"T", b"S", b"R"
+_TRIAL, _STOP, _REPORT, _READY, _GOODBYE = b"T", b"S", b"R", b"W", b"B"
 
 
 def _typed(raw: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -78,6 +95,9 @@ def encode(message: Message, *, tag: str) -> bytes:
     """The bytes of a message; names the argument that cannot be sent if that fails."""
     if isinstance(message, StopMessage):
         return _frame(_STOP, {"reason": message.reason})
+    if isinstance(message, Ready | Goodbye):
+        kind = _READY if isinstance(message, Ready) else _GOODBYE
+        return _frame(kind, {"group_rank": message.group_rank})
     if isinstance(message, Report):
         error = asdict(message.error) if message.error is not None else None
         header = {
@@ -105,6 +125,9 @@ def decode(payload: bytes, *, tag: str) -> Message:
         body = payload[_HEAD.size + size :]
         if kind == _STOP:
             return StopMessage(_typed(header, "reason", str))
+        if kind in (_READY, _GOODBYE):
+            rank = _typed(header, "group_rank", int)
+            return Ready(rank) if kind == _READY else Goodbye(rank)
         if kind == _REPORT:
             error = header.get("error")
             return Report(
