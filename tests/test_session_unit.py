@@ -444,7 +444,7 @@ def test_fake_group_mismatched_trial_ids_raise_on_every_rank() -> None:
 
         def body(rt: runtime.Runtime) -> Any:
             run = TrialRun(rt, msg)
-            rt.sent_seq = msg.seq  # as if the leader had handed it over
+            rt.steps.handed_seq = msg.seq  # as if the leader had handed it over
             error = None
             with run.running():
                 try:
@@ -594,7 +594,7 @@ def test_ranks_at_different_steps_raise_on_every_rank_instead_of_waiting() -> No
     group, rts = make_runtimes(2)
 
     def leader_body(rt: runtime.Runtime) -> BaseException | None:
-        rt.sent_seq = 1
+        rt.steps.handed_seq = 1
         run = TrialRun(rt, _trial_message())
         try:
             with run.running():

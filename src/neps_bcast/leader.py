@@ -26,6 +26,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
+from neps_bcast.recovery import settle
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import (
@@ -98,7 +99,10 @@ def evaluate_on_group(
     except FollowerLostError as exc:
         _abort(rt, info, root_directory, leases, exc)
     except BaseException as exc:
-        _settle_interrupted(rt, info, root_directory, leases, exc)
+        try:
+            settle.interrupted(info, root_directory, leases, exc)
+        finally:
+            rt.settled.set()
         raise
     finally:
         if leases is not None:
@@ -157,50 +161,6 @@ def _hand_and_evaluate(
     return outcome
 
 
-def _settle_interrupted(
-    rt: Runtime,
-    info: neps_compat.NepsTrialInfo,
-    root_directory: Path,
-    leases: Leases | None,
-    exc: BaseException,
-) -> None:
-    """Ctrl-C, SIGTERM, sys.exit: settle the trial before leaving, never leave it
-    "evaluating" in NePS's state. SIGTERM (preemption, a time limit) is no fault of the
-    trial: it goes back to pending; the others are the user's stop. Never raises: a
-    failure here (or a second signal) is attached to ``exc``, which keeps its meaning
-    and exit code."""
-    try:
-        if isinstance(exc, Terminated) and leases is not None and info.pipeline_directory:
-            what = leases.give_back(
-                info.trial_id, info.pipeline_directory, f"preempted: SIGTERM to the leader ({exc})"
-            )
-            rt.log(
-                logging.WARNING,
-                "SIGTERM in trial %s: %s; exit code %s asks to requeue",
-                info.trial_id,
-                what,
-                exc.code,
-            )
-        else:
-            neps_compat.record_crashed(
-                info.trial_id,
-                root_directory,
-                RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
-            )
-    except BaseException as secondary:  # noqa: BLE001 - the original interrupt wins
-        _attach(rt, exc, info.trial_id, secondary)
-    finally:
-        rt.settled.set()
-
-
-def _attach(rt: Runtime, exc: BaseException, trial_id: str, secondary: BaseException) -> None:
-    note = f"neps_bcast could not settle trial {trial_id} in NePS: {first_line(secondary)}"
-    add_note = getattr(exc, "add_note", None)  # Python >= 3.11
-    if callable(add_note):
-        add_note(note)
-    rt.log(logging.ERROR, "%s (while handling %s)", note, first_line(exc))
-
-
 def _terminated_followers(failures: list[ErrorRecord]) -> list[ErrorRecord]:
     """Followers whose own failure was a SIGTERM (``Terminated``), root causes only."""
     return [
@@ -229,13 +189,7 @@ def _abort(
     again on a broken group, whatever happens while settling)."""
     rt.log(logging.ERROR, "%s", exc)
     try:
-        if leases is not None and info.pipeline_directory is not None:
-            what = leases.give_back(info.trial_id, info.pipeline_directory, first_line(exc))
-            rt.log(logging.WARNING, "trial %s: %s", info.trial_id, what)
-        else:
-            neps_compat.record_crashed(info.trial_id, root_directory, exc)
-    except BaseException as secondary:  # noqa: BLE001 - the search stops all the same
-        _attach(rt, exc, info.trial_id, secondary)
+        settle.give_back_lost(info, root_directory, leases, exc)
     finally:
         rt.settled.set()
     raise SearchAborted(exc) from exc

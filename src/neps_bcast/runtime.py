@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
 from neps_bcast.ddp.group import UserGroup, group_connections
@@ -21,19 +22,16 @@ from neps_bcast.errors import (
     FollowerLostError,
     LeaderLostError,
     ProtocolError,
-    SearchStopped,
     first_line,
     format_message,
 )
 from neps_bcast.log import logger, role_tag, tagged
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, new_secret, secret_text
-from neps_bcast.transport.channel import ChannelClosedError
+from neps_bcast.transport.channel import Channel, ChannelClosedError
 from neps_bcast.transport.link import Link
 from neps_bcast.transport.messages import (
-    Goodbye,
     Message,
-    Ready,
     Report,
     StopMessage,
     TrialMessage,
@@ -43,6 +41,7 @@ from neps_bcast.transport.messages import (
 from neps_bcast.transport.steps import Steps
 
 _ACTIVE: Runtime | None = None
+_T = TypeVar("_T")
 
 
 def active() -> Runtime | None:
@@ -67,9 +66,7 @@ class Runtime:
         """Leader before its group exists: the trial Lightning's children will start with."""
         self._set_env: list[str] = []
         self.seq = 0
-        self.sent_seq = 0
-        """Leader: the last trial the followers received (or Lightning's children will)."""
-        self.steps = Steps(self.signer)
+        self.steps = Steps(self.group_rank, self.signer)
         self.owns_group = False
         self.settled = threading.Event()
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
@@ -162,40 +159,25 @@ class Runtime:
             os.environ.pop(name, None)
         self._set_env = []
 
-    def _step(self, mine: Message) -> list[Message]:
-        """One control step on the channel (see ``transport.steps``)."""
+    def _on_channel(self, step: Callable[[Channel], _T]) -> _T:
+        """One control step on the channel (``transport.steps``); a lost peer named."""
         assert self.link.channel is not None
         try:
-            return self.steps.take(self.link.channel, mine, self.tag)
+            return step(self.link.channel)
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
 
     def send(self, message: TrialMessage | StopMessage) -> None:
         """Leader: hand a message to every follower (first contact or a step)."""
-        if not self.ensure_channel():
-            if isinstance(message, TrialMessage):
-                self._first = (message.seq, encode(message, tag=self.tag))
-                self.sent_seq = message.seq
-            return
-        others = self._step(message)[1:]
-        if isinstance(message, TrialMessage):
-            self.sent_seq = message.seq
-            late = [m for m in others if not isinstance(m, Ready)]
-            if late:
-                raise ProtocolError(
-                    format_message(
-                        self.tag,
-                        f"handed trial {message.trial_id} over while {_describe(late)}.",
-                        "this is a bug in neps_bcast; please report it with every rank's log.",
-                    )
-                )
-        # At STOP, a follower still in a trial finds it in that trial's meeting.
+        if self.ensure_channel():
+            self._on_channel(lambda c: self.steps.hand_over(c, message, self.tag))
+        elif isinstance(message, TrialMessage):
+            self._first = (message.seq, encode(message, tag=self.tag))
+            self.steps.handed_seq = message.seq  # Lightning's children start with it
 
     def receive(self) -> TrialMessage | StopMessage:
         """Follower: wait (blocked, no polling) for the leader's next message."""
-        if self.steps.leader_stop is not None:
-            return self.steps.leader_stop
-        if not self.ensure_channel():
+        if self.steps.leader_stop is None and not self.ensure_channel():
             raise ProtocolError(
                 format_message(
                     self.tag,
@@ -203,18 +185,7 @@ class Runtime:
                     "this is a bug in neps_bcast; please report it.",
                 )
             )
-        leaders = self._step(Ready(self.group_rank))[0]
-        if isinstance(leaders, TrialMessage | StopMessage):
-            return leaders
-        if self.steps.leader_stop is not None:  # the leader's goodbye
-            return self.steps.leader_stop
-        raise ProtocolError(
-            format_message(
-                self.tag,
-                f"waited for the next trial while {_describe([leaders])}.",
-                "this is a bug in neps_bcast; please report it with every rank's log.",
-            )
-        )
+        return self._on_channel(lambda c: self.steps.next_message(c, self.tag))
 
     def first_contact(self) -> TrialMessage:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
@@ -236,37 +207,15 @@ class Runtime:
         """Every rank contributes a report; None when there is no group to exchange with
         (no channel, or a leader whose followers never received this trial)."""
         self.check_stopped()
-        if self.group_rank == 0 and report.seq > self.sent_seq:
+        if self.group_rank == 0 and report.seq > self.steps.handed_seq:
             return None  # interrupted before the hand-over: the followers wait for the next
         if not self.ensure_channel():
             return None
-        messages = self._step(report)
-        self.check_stopped()
-        reports = [m for m in messages if isinstance(m, Report)]
-        if len(reports) != len(messages):
-            others = [m for m in messages if not isinstance(m, Report)]
-            raise ProtocolError(
-                format_message(
-                    self.tag,
-                    f"was at trial {report.trial_id}'s {report.phase.value} while"
-                    f" {_describe(others)}.",
-                    "this is a bug in neps_bcast; please report it with every rank's log.",
-                )
-            )
-        return reports
+        return self._on_channel(lambda c: self.steps.meet(c, report, self.tag))
 
     def check_stopped(self) -> None:
         """Follower: raise ``SearchStopped`` once a step brought the leader's STOP."""
-        stop = self.steps.leader_stop
-        if stop is not None and self.group_rank != 0:
-            raise SearchStopped(
-                format_message(
-                    self.tag,
-                    f"the leader stopped the search during this trial: {stop.reason}.",
-                    "nothing to do: this rank ends the trial and stops.",
-                ),
-                stop.reason,
-            )
+        self.steps.check_stopped(self.tag)
 
     def lost(self, exc: BaseException) -> LeaderLostError | FollowerLostError:
         """The error for losing a peer: which follower and how, or the leader."""
@@ -285,33 +234,16 @@ class Runtime:
 
     def say_goodbye(self) -> None:
         """Leader and followers at STOP: the leader exits only after every goodbye."""
-        if self.link.channel is None or self.steps.said_goodbye:
+        if self.link.channel is None:
             return
         try:
-            self._step(Goodbye(self.group_rank))
+            self._on_channel(lambda c: self.steps.goodbye(c, self.tag))
         except (LeaderLostError, FollowerLostError):
             self.log(logging.DEBUG, "a peer left before saying goodbye")
 
     def close(self) -> None:
         self.link.close()
         self._forget_children_env()
-
-
-def _describe(messages: Sequence[Message]) -> str:
-    """What out-of-step ranks were doing, for an error text."""
-    parts = []
-    for m in messages:
-        if isinstance(m, Report):
-            parts.append(f"rank {m.group_rank} was at trial {m.trial_id}'s {m.phase.value}")
-        elif isinstance(m, Ready):
-            parts.append(f"rank {m.group_rank} was waiting for the next trial")
-        elif isinstance(m, Goodbye):
-            parts.append(f"rank {m.group_rank} was saying goodbye")
-        elif isinstance(m, TrialMessage):
-            parts.append(f"the leader handed trial {m.trial_id} over")
-        else:
-            parts.append(f"the leader stopped the search ({m.reason})")
-    return ", ".join(parts)
 
 
 def _expect_order(message: Message, tag: str) -> TrialMessage | StopMessage:

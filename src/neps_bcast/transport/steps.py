@@ -9,7 +9,8 @@ alive, until the last-resort timeout (seven days by default). Here the hand-over
 meeting of a trial, STOP and goodbye are all one allgather of one frame size (see
 ``channel``): ranks at different steps meet in the same collective, each sees what the
 others sent and its kind, and a follower that finds STOP where it expected a report
-knows at once that the search is over.
+knows at once that the search is over (``SearchStopped``); any other pair of steps
+that do not belong together raises ``ProtocolError`` on every rank involved.
 
 Every message is authenticated (``auth.Signer``) before it is decoded, and only a
 trial's arguments are ever unpickled (``messages``).
@@ -17,19 +18,35 @@ trial's arguments are ever unpickled (``messages``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from neps_bcast.errors import ProtocolError, SearchStopped, format_message
 from neps_bcast.transport.auth import Signer
 from neps_bcast.transport.channel import Channel
-from neps_bcast.transport.messages import Goodbye, Message, StopMessage, decode, encode
+from neps_bcast.transport.messages import (
+    Goodbye,
+    Message,
+    Ready,
+    Report,
+    StopMessage,
+    TrialMessage,
+    decode,
+    encode,
+)
 
 CONTEXT = "channel"
 """Authentication context of every message on the control channel."""
+_BUG = "this is a bug in neps_bcast; please report it with every rank's log."
 
 
 class Steps:
     """This rank's control steps, and what it learnt of the leader's end from them."""
 
-    def __init__(self, signer: Signer) -> None:
+    def __init__(self, group_rank: int, signer: Signer) -> None:
+        self.group_rank = group_rank
         self.signer = signer
+        self.handed_seq = 0
+        """Leader: the last trial its followers received."""
         self.leader_stop: StopMessage | None = None
         """The leader's STOP, once a step brought it (the search is over)."""
         self.said_goodbye = False
@@ -47,3 +64,76 @@ class Steps:
             if self.leader_stop is None:
                 self.leader_stop = StopMessage("the leader said goodbye")
         return messages
+
+    def hand_over(self, channel: Channel, message: TrialMessage | StopMessage, tag: str) -> None:
+        """Leader: every follower gets ``message``. At STOP, a follower still in a trial
+        finds it in that trial's meeting; a trial must find every follower ready."""
+        others = self.take(channel, message, tag)[1:]
+        if not isinstance(message, TrialMessage):
+            return
+        self.handed_seq = message.seq
+        late = [m for m in others if not isinstance(m, Ready)]
+        if late:
+            what = f"handed trial {message.trial_id} over while {describe(late)}."
+            raise ProtocolError(format_message(tag, what, _BUG))
+
+    def next_message(self, channel: Channel, tag: str) -> TrialMessage | StopMessage:
+        """Follower: wait (blocked, no polling) for the leader's next message."""
+        if self.leader_stop is not None:
+            return self.leader_stop
+        leaders = self.take(channel, Ready(self.group_rank), tag)[0]
+        if isinstance(leaders, TrialMessage | StopMessage):
+            return leaders
+        if self.leader_stop is not None:  # the leader's goodbye
+            return self.leader_stop
+        what = f"waited for the next trial while {describe([leaders])}."
+        raise ProtocolError(format_message(tag, what, _BUG))
+
+    def meet(self, channel: Channel, report: Report, tag: str) -> list[Report]:
+        """A meeting of a trial: every rank's report, by group rank."""
+        self.check_stopped(tag)
+        messages = self.take(channel, report, tag)
+        self.check_stopped(tag)
+        reports = [m for m in messages if isinstance(m, Report)]
+        if len(reports) != len(messages):
+            others = [m for m in messages if not isinstance(m, Report)]
+            what = (
+                f"was at trial {report.trial_id}'s {report.phase.value} while {describe(others)}."
+            )
+            raise ProtocolError(format_message(tag, what, _BUG))
+        return reports
+
+    def check_stopped(self, tag: str) -> None:
+        """Follower: raise ``SearchStopped`` once a step brought the leader's STOP."""
+        stop = self.leader_stop
+        if stop is not None and self.group_rank != 0:
+            raise SearchStopped(
+                format_message(
+                    tag,
+                    f"the leader stopped the search during this trial: {stop.reason}.",
+                    "nothing to do: this rank ends the trial and stops.",
+                ),
+                stop.reason,
+            )
+
+    def goodbye(self, channel: Channel, tag: str) -> None:
+        """The last step, once: the leader closes only after every rank's goodbye."""
+        if not self.said_goodbye:
+            self.take(channel, Goodbye(self.group_rank), tag)
+
+
+def describe(messages: Sequence[Message]) -> str:
+    """What out-of-step ranks were doing, for an error text."""
+    parts = []
+    for m in messages:
+        if isinstance(m, Report):
+            parts.append(f"rank {m.group_rank} was at trial {m.trial_id}'s {m.phase.value}")
+        elif isinstance(m, Ready):
+            parts.append(f"rank {m.group_rank} was waiting for the next trial")
+        elif isinstance(m, Goodbye):
+            parts.append(f"rank {m.group_rank} was saying goodbye")
+        elif isinstance(m, TrialMessage):
+            parts.append(f"the leader handed trial {m.trial_id} over")
+        else:
+            parts.append(f"the leader stopped the search ({m.reason})")
+    return ", ".join(parts)
