@@ -5,8 +5,9 @@
 The leader process serves the store (OS-picked port), starts ``world - 1`` follower
 processes, and every rank joins the channel exactly as ``neps_bcast.run`` does.
 Per repetition the leader idles ``--gap`` seconds (followers are blocked in the receive),
-reads CLOCK_REALTIME and broadcasts the payload; each follower reads the clock when the
-broadcast returns; an allgather brings the follower times back. Latency = the last
+reads CLOCK_REALTIME and hands the payload over as neps_bcast does (one allgather, the
+followers contributing a short "ready"); each follower reads the clock when that step
+returns; another allgather brings the follower times back. Latency = the last
 follower's time minus the leader's. Then the leader holds ``--hold`` seconds while the
 followers wait in the receive, and each follower reports its process CPU time (all
 threads) over that wait. ``open_store`` and ``join_channel`` are the only uses of neps_bcast.
@@ -48,6 +49,10 @@ def join_channel(store: Any, group_rank: int, world: int) -> GlooChannel:
     return GlooChannel.join(store, group_rank, world, join_timeout, wait_timeout)
 
 
+READY = b"ready"
+"""A follower's part of a hand-over step (its size is what a real one costs)."""
+
+
 def now() -> float:
     return time.clock_gettime(time.CLOCK_REALTIME)
 
@@ -62,10 +67,10 @@ def measure(link: GlooChannel, group_rank: int, args: argparse.Namespace) -> dic
             if is_leader:
                 time.sleep(args.gap)
                 sent_at = now()
-                link.broadcast(payload)
+                link.allgather(payload)
                 received_at = sent_at
             else:
-                link.broadcast(None)
+                link.allgather(READY)
                 received_at = now()
             arrivals = link.allgather(struct.pack("d", received_at))
             if is_leader and repetition > 0:
@@ -75,12 +80,12 @@ def measure(link: GlooChannel, group_rank: int, args: argparse.Namespace) -> dic
     cpu_before, wall_before = time.process_time(), time.monotonic()
     if is_leader:
         time.sleep(args.hold)
-        link.broadcast(b"go")
+        link.allgather(b"go")
     else:
-        link.broadcast(None)
+        link.allgather(READY)
     own_wait = struct.pack("dd", time.process_time() - cpu_before, time.monotonic() - wall_before)
     waits = [struct.unpack("dd", wait) for wait in link.allgather(own_wait)]
-    link.broadcast(b"stop" if is_leader else None)
+    link.allgather(b"stop" if is_leader else READY)
     return {
         "latency_s": latencies,
         "wait": [
