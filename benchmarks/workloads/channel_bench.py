@@ -10,7 +10,8 @@ followers contributing a short "ready"); each follower reads the clock when that
 returns; another allgather brings the follower times back. Latency = the last
 follower's time minus the leader's. Then the leader holds ``--hold`` seconds while the
 followers wait in the receive, and each follower reports its process CPU time (all
-threads) over that wait. ``open_store`` and ``join_channel`` are the only uses of neps_bcast.
+threads) over that wait. Only ``open_store``, ``join_channel`` and the channel's ``allgather``
+touch neps_bcast.
 """
 
 from __future__ import annotations
