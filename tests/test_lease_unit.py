@@ -8,6 +8,7 @@ the trial the environment names. The DDP launches are in ``test_e2e_recovery.py`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -25,10 +26,14 @@ from neps_bcast.errors import SettingsError
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import (
     LEASE_FILE,
+    LOCK_FILE,
+    Attempt,
     Lease,
     Owner,
+    lease_lock,
     read_lease,
     why_dead,
+    write_lease,
 )
 
 SCRIPT = Path(__file__).parent / "scripts" / "recovery_single.py"
@@ -246,3 +251,40 @@ def test_two_leaders_never_both_take_one_orphan(tmp_path: Path) -> None:
     assert len(lease.attempts) == 1
     assert states(tmp_path)["2"] == "pending"
     assert not [p for p in procs if procfs.is_alive(p.pid)]
+
+
+def test_a_renewal_never_writes_its_owner_back_over_a_takeover(tmp_path: Path) -> None:
+    """The heartbeat reads, checks and writes under the lease's lock, which every
+    takeover takes too: while the test holds that lock (as a takeover does), no renewal
+    can land; after the takeover, the renewal sees the new owner and stops, and the
+    history the takeover wrote stays."""
+    leases = Leases(tmp_path, Settings(heartbeat_s=0.01))
+    other = dataclasses.replace(Owner.me(), host="elsewhere", pid=1)
+    try:
+        leases.take("7", tmp_path)
+        with lease_lock(tmp_path):
+            taken = read_lease(tmp_path)
+            assert taken is not None
+            attempt = Attempt(taken.owner, taken.started, taken.heartbeat, "test takeover")  # type: ignore[arg-type]
+            write_lease(tmp_path, dataclasses.replace(taken, owner=other, attempts=(attempt,)))
+        # The heartbeat keeps ticking (every 10 ms); once it saw the takeover it stops.
+        deadline = time.monotonic() + 30
+        while leases._held is not None and time.monotonic() < deadline:
+            leases._wake.wait(0.01)
+        assert leases._held is None
+        after = read_lease(tmp_path)
+        assert after is not None and after.owner == other
+        assert [a.how for a in after.attempts] == ["test takeover"]
+    finally:
+        leases.close()
+
+
+def test_the_lease_lock_refuses_a_planted_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    (tmp_path / LOCK_FILE).symlink_to(target)
+    with (
+        pytest.raises(OSError, match=r"Too many levels of symbolic links|ELOOP"),
+        lease_lock(tmp_path),
+    ):
+        pass
+    assert not target.exists()

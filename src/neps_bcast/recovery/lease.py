@@ -44,6 +44,7 @@ from neps_bcast.recovery.lease_file import (
     Attempt,
     Lease,
     Owner,
+    lease_lock,
     read_lease,
     why_dead,
     write_lease,
@@ -103,19 +104,21 @@ class Leases:
                     continue
                 trial_dir, lease = held
                 try:
-                    on_disk = read_lease(trial_dir)
-                    if on_disk is None or on_disk.owner != self.me:
-                        self.log(
-                            logging.ERROR,
-                            "trial %s was taken over by another leader (%s); no longer"
-                            " renewing its lease",
-                            lease.trial_id,
-                            on_disk.owner.describe() if on_disk and on_disk.owner else "nobody",
-                        )
-                        self._held = None
-                        continue
-                    renewed = replace(lease, heartbeat=time.time())
-                    write_lease(trial_dir, renewed)
+                    with lease_lock(trial_dir):
+                        on_disk = read_lease(trial_dir)
+                        if on_disk is None or on_disk.owner != self.me:
+                            self.log(
+                                logging.ERROR,
+                                "trial %s was taken over by another leader (%s); no longer"
+                                " renewing its lease",
+                                lease.trial_id,
+                                on_disk.owner.describe() if on_disk and on_disk.owner else "nobody",
+                            )
+                            self._held = None
+                            continue
+                        # The history on disk is the truth (a takeover may have added to it).
+                        renewed = replace(on_disk, heartbeat=time.time())
+                        write_lease(trial_dir, renewed)
                     self._held = (trial_dir, renewed)
                 except OSError as exc:
                     self.log(logging.WARNING, "could not renew the lease of %s: %s", trial_dir, exc)
@@ -128,11 +131,12 @@ class Leases:
         with neps_compat.locked_trials(self.root) as book:
             if book is None or book.state_of(trial_id) != "evaluating":
                 return "left as NePS has it"
-            lease = read_lease(trial_dir) or Lease(trial_id, self.me, time.time(), time.time())
-            if lease.owner not in (None, self.me):
-                return f"left to {lease.owner.describe()}, which took it over"
-            attempt = Attempt(self.me, lease.started, time.time(), how)
-            return self._hand_back(book, trial_id, trial_dir, lease, attempt)
+            with lease_lock(trial_dir):
+                lease = read_lease(trial_dir) or Lease(trial_id, self.me, time.time(), time.time())
+                if lease.owner not in (None, self.me):
+                    return f"left to {lease.owner.describe()}, which took it over"
+                attempt = Attempt(self.me, lease.started, time.time(), how)
+                return self._hand_back(book, trial_id, trial_dir, lease, attempt)
 
     # -- orphans ---------------------------------------------------------------
     def recover_orphans(self) -> list[str]:
@@ -143,41 +147,45 @@ class Leases:
                 return []
             now = time.time()
             for trial in book.evaluating():
-                lease = read_lease(trial.location)
-                reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s)
-                if reason is None:
-                    if lease is not None and lease.owner is not None:
-                        age = now - lease.heartbeat
-                        if age > 2 * self.heartbeat_s and not self.me.shares_machine_with(
-                            lease.owner
-                        ):
-                            self.log(
-                                logging.INFO,
-                                "trial %s: no heartbeat from %s for %.0f s; taken over"
-                                " after %.0f s",
-                                trial.trial_id,
-                                lease.owner.describe(),
-                                age,
-                                self.grace_s,
-                            )
-                    continue
-                if lease is None or lease.owner is None:
-                    started = trial.time_started or now
-                    lease = Lease(
-                        trial.trial_id,
-                        None,
-                        started,
-                        started,
-                        lease.attempts if lease is not None else (),
-                    )
-                owner = lease.owner or Owner("unknown", "", "", 0, 0)
-                attempt = Attempt(owner, lease.started, lease.heartbeat, reason)
-                outcome = self._hand_back(book, trial.trial_id, trial.location, lease, attempt)
-                self.log(
-                    logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome
-                )
-                done.append(f"{trial.trial_id}: {outcome}")
+                with lease_lock(trial.location):
+                    outcome = self._recover_one(book, trial, now)
+                if outcome is not None:
+                    done.append(f"{trial.trial_id}: {outcome}")
         return done
+
+    def _recover_one(
+        self, book: neps_compat.TrialBook, trial: neps_compat.EvaluatingTrial, now: float
+    ) -> str | None:
+        """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
+        lease = read_lease(trial.location)
+        reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s)
+        if reason is None:
+            if lease is not None and lease.owner is not None:
+                age = now - lease.heartbeat
+                if age > 2 * self.heartbeat_s and not self.me.shares_machine_with(lease.owner):
+                    self.log(
+                        logging.INFO,
+                        "trial %s: no heartbeat from %s for %.0f s; taken over after %.0f s",
+                        trial.trial_id,
+                        lease.owner.describe(),
+                        age,
+                        self.grace_s,
+                    )
+            return None
+        if lease is None or lease.owner is None:
+            started = trial.time_started or now
+            lease = Lease(
+                trial.trial_id,
+                None,
+                started,
+                started,
+                lease.attempts if lease is not None else (),
+            )
+        owner = lease.owner or Owner("unknown", "", "", 0, 0)
+        attempt = Attempt(owner, lease.started, lease.heartbeat, reason)
+        outcome = self._hand_back(book, trial.trial_id, trial.location, lease, attempt)
+        self.log(logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome)
+        return outcome
 
     def _hand_back(
         self,

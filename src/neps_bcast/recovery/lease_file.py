@@ -7,15 +7,19 @@ directory, and the rules that decide an owner is gone (see ``lease.py``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import procfs
 from neps_bcast.log import logger
 
@@ -127,6 +131,32 @@ def read_lease(trial_dir: Path) -> Lease | None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.log(logging.WARNING, "ignoring %s: %s", trial_dir, exc)
         return None
+
+
+LOCK_FILE = ".neps_bcast_lease.lock"
+"""Taken around every read-check-write of a lease: a renewal and a takeover never interleave."""
+
+
+@contextlib.contextmanager
+def lease_lock(trial_dir: Path) -> Iterator[None]:
+    """Hold the lock of one trial's lease (the kind NePS locks with: it works wherever
+    NePS's own locking works).
+
+    Why a lock of its own and not NePS's trial lock: the heartbeat renews from a thread,
+    and POSIX locks belong to the process, so a thread taking NePS's lock while NePS's
+    worker holds it in the same process would not wait, and closing it would release
+    NePS's. Every takeover takes this lock too (inside NePS's trial lock), so a renewal
+    can no longer write its owner back over a takeover.
+    """
+    fd = os.open(trial_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if neps_compat.lock_kind() == "flock":
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_lease(trial_dir: Path, lease: Lease) -> None:
