@@ -1,16 +1,22 @@
 """Launch real multi-process searches from tests and read back what happened.
 
-One helper, ``start`` (or ``run`` = start + finish), launches ``tests/scripts/search.py``
-as users do (``python search.py``, torchrun, srun-like) with a ``Scenario`` in its
-environment. Every process of a launch inherits a unique ``NB_LAUNCH_MARKER``: that is
-how the harness finds all of them (torch's launcher starts each torchrun worker in a
-process session of its own, so a session or process group would miss them). Every rank
-logs to a file of its own under ``tmp_path``.
+A test launches one of the user-shaped scripts in ``tests/scripts`` as users do:
+``run(python(LIGHTNING, "--trials", "5"), tmp)``, ``torchrun(2, TORCH_DDP, ...)`` or
+``srun(2, ...)`` (simulated SLURM variables); ``fault="..."`` names the fault the script
+injects (``NB_FAULT``, tests/scripts/faults.py). Every process of a launch inherits a
+unique ``NB_LAUNCH_MARKER``: that is how the harness finds all of them (torch's launcher
+starts each torchrun worker in a process session of its own, so a session or process
+group would miss them). Every rank logs to a file of its own and records what it did
+(tests/scripts/probe.py) under the launch's folder, ``tmp/<name>``; the NePS root is the
+script's ``--root`` (``results`` unless given), relative to the launch's cwd (``tmp``).
 
-Bounds are nested: group timeouts a scenario sets (60 s) < the launch's deadline
+Bounds are nested: group timeouts a test sets (60 s) < the launch's deadline
 (``timeout``, 240 s by default) < pytest's timeout (600 s, pyproject.toml). On the
 deadline every marked process is killed and the test fails with each rank's log tail.
 After the launch returns, we wait (bounded) for every marked process to be gone.
+
+``LaunchChecks`` and ``CleanLaunch`` are the checks every launch gets, as tests of
+their own: a test class inherits them and provides the ``launch`` fixture.
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +38,16 @@ from neps_bcast.compat import procfs
 from scenario import Scenario
 
 SCRIPTS = Path(__file__).parent / "scripts"
-SEARCH = SCRIPTS / "search.py"
+LIGHTNING = SCRIPTS / "lightning_search.py"
+"""Lightning ``strategy="ddp"`` (or ddp_spawn) trials: the README's quickstart."""
+TORCH_DDP = SCRIPTS / "torch_ddp_search.py"
+"""A plain torch DDP loop on the group neps_bcast formed (external launchers)."""
+FABRIC = SCRIPTS / "fabric_search.py"
+"""Lightning Fabric, ``fabric.launch()`` inside the function."""
+SINGLE = SCRIPTS / "single_search.py"
+"""One process, no DDP: NePS's own quickstart through neps_bcast.run."""
+MISMATCHED = SCRIPTS / "mismatched_ranks.py"
+"""Rank 1 skips neps_bcast.run, or calls it with other arguments (torchrun)."""
 FAKE_SRUN = SCRIPTS / "fake_srun.py"
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
@@ -53,19 +68,31 @@ LAUNCH_VARS = (
 """Launcher variables a launch must not inherit from pytest's own environment."""
 
 
-def python_cmd() -> list[str]:
-    """`python search.py`: Lightning (or Fabric) starts the other ranks."""
-    return [PYTHON, str(SEARCH)]
+def python(script: Path, *args: object) -> list[str]:
+    """``python script.py ...``: under Lightning ddp (or Fabric) the leader starts the
+    other ranks."""
+    return [PYTHON, str(script), *map(str, args)]
 
 
-def torchrun_cmd(nproc: int, *extra: str, standalone: bool = True) -> list[str]:
-    single = ["--standalone"] if standalone else []
-    return [TORCHRUN, *single, f"--nproc-per-node={nproc}", *extra, str(SEARCH)]
+def torchrun(
+    nproc: int, script: Path, *args: object, rendezvous: Sequence[str] = ("--standalone",)
+) -> list[str]:
+    """``torchrun --standalone --nproc-per-node=N script.py ...`` (or another rendezvous)."""
+    return [TORCHRUN, *rendezvous, f"--nproc-per-node={nproc}", str(script), *map(str, args)]
 
 
-def srun_cmd(ntasks: int) -> list[str]:
-    """Simulated SLURM: the caller's env must give MASTER_ADDR and MASTER_PORT."""
-    return [PYTHON, str(FAKE_SRUN), "--ntasks", str(ntasks), "--", PYTHON, str(SEARCH)]
+def srun(ntasks: int, script: Path, *args: object) -> list[str]:
+    """Simulated SLURM (tests/scripts/fake_srun.py): the caller's env must give
+    MASTER_ADDR and MASTER_PORT, as an sbatch script exports them."""
+    return [PYTHON, str(FAKE_SRUN), "--ntasks", str(ntasks), "--", *python(script, *args)]
+
+
+def root_of(command: Sequence[str], cwd: Path) -> Path:
+    """The NePS root a command's script searches in: its ``--root``, else ``results``,
+    relative to the launch's cwd."""
+    args = list(command)
+    root = Path(args[args.index("--root") + 1]) if "--root" in args else Path("results")
+    return root if root.is_absolute() else cwd / root
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -122,7 +149,7 @@ def neps_trials(root: Path) -> dict[str, Any]:
     from neps.state.neps_state import NePSState
 
     if str(SCRIPTS) not in sys.path:
-        sys.path.append(str(SCRIPTS))  # the search space may name search.py's helpers
+        sys.path.append(str(SCRIPTS))  # a search space may name a script's helpers (space_tools)
 
     state = NePSState.create_or_load(path=root, load_only=True)
     return state.lock_and_read_trials()
@@ -301,60 +328,66 @@ class Running:
 
 
 def start(
-    scenario: Scenario,
+    command: Sequence[str] | Scenario,
     tmp_path: Path,
     *,
     name: str = "run",
-    cmd: list[str] | None = None,
+    fault: str = "",
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     timeout: float = 240.0,
 ) -> Running:
-    """Start one launch of search.py with ``scenario``; logs and records go to
-    ``tmp_path/name``; the NePS root is ``tmp_path/name/root`` unless the scenario
-    names one (a relative root is relative to ``cwd``)."""
+    """Start one launch of ``command`` (a ``Scenario`` stands for its command line) with
+    ``fault`` in its ``NB_FAULT``; logs and records go to ``tmp_path/name``; the cwd is
+    ``tmp_path`` unless given."""
+    cmd = command.command() if isinstance(command, Scenario) else list(command)
     folder = tmp_path / name
     folder.mkdir(parents=True)
     cwd = cwd or tmp_path
-    root = Path(scenario.root) if scenario.root else folder / "root"
-    scenario = replace(
-        scenario, root=str(root), record=str(folder / "rec"), log_dir=str(folder / "logs")
+    full_env = base_env(
+        **(env or {}),
+        NB_FAULT=fault,
+        NB_RECORD_DIR=str(folder / "rec"),
+        NB_LOG_DIR=str(folder / "logs"),
     )
-    full_env = base_env(**(env or {}), **scenario.to_env())
     full_env[MARKER] = uuid.uuid4().hex
     return Running(
-        name,
-        cmd or python_cmd(),
-        env=full_env,
-        cwd=cwd,
-        folder=folder,
-        root=root if root.is_absolute() else cwd / root,
-        timeout=timeout,
+        name, cmd, env=full_env, cwd=cwd, folder=folder, root=root_of(cmd, cwd), timeout=timeout
     )
 
 
-def run(scenario: Scenario, tmp_path: Path, **kwargs: Any) -> Result:
+def run(command: Sequence[str] | Scenario, tmp_path: Path, **kwargs: Any) -> Result:
     """``start`` one launch and ``finish`` it."""
-    return start(scenario, tmp_path, **kwargs).finish()
+    return start(command, tmp_path, **kwargs).finish()
 
 
 def assert_clean_launch(result: Result, *, expect_rc: int = 0) -> None:
-    """The launcher's exit code is ``expect_rc`` and nothing of the launch is left; for a
-    successful launch, every process that started recorded exit code 0."""
+    """All of a launch's checks at once (``LaunchChecks`` / ``CleanLaunch`` split them
+    into tests): the launcher's exit code is ``expect_rc`` and nothing of the launch is
+    left; for a successful launch, every process that started recorded exit code 0 and
+    left nothing of its trials to the interpreter's finalization."""
     assert result.returncode == expect_rc, (
         f"exit code {result.returncode} (want {expect_rc}); logs:\n{result.tail()}"
     )
+    assert_nothing_left(result)
+    if expect_rc == 0:
+        assert_every_process_exited_0(result)
+        assert_trials_freed_before_finalization(result)
+
+
+def assert_nothing_left(result: Result) -> None:
     assert not result.left_alive, (
         f"processes {result.left_alive} still alive after the launch; logs:\n{result.tail()}"
     )
-    if expect_rc == 0:
-        started = {e["pid"] for e in result.of("start")}
-        exited = {e["pid"]: e["code"] for e in result.of("exit")}
-        assert started, f"no rank started; logs:\n{result.tail()}"
-        assert exited == dict.fromkeys(started, 0), (
-            f"exit codes by pid {exited}, started {sorted(started)}; logs:\n{result.tail()}"
-        )
-        assert_trials_freed_before_finalization(result)
+
+
+def assert_every_process_exited_0(result: Result) -> None:
+    started = {e["pid"] for e in result.of("start")}
+    exited = {e["pid"]: e["code"] for e in result.of("exit")}
+    assert started, f"no rank started; logs:\n{result.tail()}"
+    assert exited == dict.fromkeys(started, 0), (
+        f"exit codes by pid {exited}, started {sorted(started)}; logs:\n{result.tail()}"
+    )
 
 
 def assert_trials_freed_before_finalization(result: Result) -> None:
@@ -366,17 +399,74 @@ def assert_trials_freed_before_finalization(result: Result) -> None:
         assert e["trial_objects_alive"] == [], (e, result.tail())
 
 
+class LaunchChecks:
+    """Every launch's own tests: the launcher's exit code (``returncode``), and no
+    process of the launch left once it ended. A test class inherits them and provides a
+    ``launch`` fixture (a ``Result``)."""
+
+    returncode = 0
+
+    def test_the_launcher_exits_with_its_expected_code(self, launch: Result) -> None:
+        assert launch.returncode == self.returncode, (
+            f"exit code {launch.returncode} (want {self.returncode}); logs:\n{launch.tail()}"
+        )
+
+    def test_no_process_of_the_launch_is_left(self, launch: Result) -> None:
+        assert_nothing_left(launch)
+
+
+class CleanLaunch(LaunchChecks):
+    """A launch that succeeds: also every process that started exited with 0, and none
+    left its trials' objects to the interpreter's finalization."""
+
+    def test_every_process_that_started_exited_with_0(self, launch: Result) -> None:
+        assert_every_process_exited_0(launch)
+
+    def test_no_trial_object_is_left_to_the_interpreters_finalization(self, launch: Result) -> None:
+        assert_trials_freed_before_finalization(launch)
+
+
+def identical_on_every_rank(result: Result | list[dict[str, Any]], world: int) -> list[str]:
+    """Every rank evaluated exactly the leader's trials, with the same keyword
+    arguments, in the same order; returns the leader's trial ids."""
+    events = result.events if isinstance(result, Result) else result
+    by_rank = trials_by_rank(events)
+    assert sorted(by_rank) == list(range(world)), by_rank
+    for rank in range(1, world):
+        assert json.dumps(by_rank[rank], sort_keys=True) == json.dumps(by_rank[0], sort_keys=True)
+    return [tid for tid, _ in by_rank[0]]
+
+
+def states(root: Path) -> dict[str, str]:
+    """trial id -> the state NePS holds it in (success, crashed, pending, evaluating)."""
+    return {
+        tid: str(getattr(t.metadata.state, "value", t.metadata.state))
+        for tid, t in neps_trials(root).items()
+    }
+
+
+def raised(result: Result, seq: int) -> dict[int, dict[str, Any]]:
+    """What each rank's evaluation raised in its seq-th trial, by rank."""
+    return {e["rank"]: e for e in result.of("raised") if e["seq"] == seq}
+
+
 def assert_followers_never_touch_neps(exits: dict[int, dict[str, Any]]) -> None:
     """Followers never call neps.run, never open NePS's state, never open or list a file
     under the root; the leader's own counts show that the counters count. ``exits``: one
     group's exit records by rank."""
-    assert 0 in exits, f"the leader recorded no exit: {exits}"
-    leader = exits[0]
-    assert leader["calls"]["neps.run"] == 1, leader
-    assert leader["calls"]["NePSState.create_or_load"] >= 1, leader
-    assert leader["root_access"]["count"] > 0, leader
+    assert_the_leader_touched_neps(exits)
     followers = {r: e for r, e in exits.items() if r != 0}
     assert followers, "no follower exited: nothing was checked"
     for rank, e in followers.items():
         assert e["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}, (rank, e)
         assert e["root_access"] == {"count": 0, "paths": []}, (rank, e)
+
+
+def assert_the_leader_touched_neps(exits: dict[int, dict[str, Any]]) -> None:
+    """The positive control of ``assert_followers_never_touch_neps``: the same counters
+    count the leader's calls and accesses."""
+    assert 0 in exits, f"the leader recorded no exit: {exits}"
+    leader = exits[0]
+    assert leader["calls"]["neps.run"] == 1, leader
+    assert leader["calls"]["NePSState.create_or_load"] >= 1, leader
+    assert leader["root_access"]["count"] > 0, leader

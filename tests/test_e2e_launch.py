@@ -1,10 +1,11 @@
 """`neps-bcast launch` end to end: real launcher, real torchrun, real Lightning ddp on gloo.
 
-Each test launches ``tests/scripts/launch_search.py`` as a user would
+Each class launches ``tests/scripts/launch_search.py`` once as a user would
 (``neps-bcast launch --groups 2 --nproc-per-group 2 SCRIPT``), with the NePS root, the
-rank logs and the per-process records under ``tmp_path``. Every process of a launch
-inherits a marker (``NB_LAUNCH_MARKER``): that is how a test finds what is left.
-Bounds: the launch's deadline (150 s) < pytest's timeout (600 s).
+rank logs and the per-process records under its own folder, and its tests read what the
+launch left. Every process of a launch inherits a marker (``NB_LAUNCH_MARKER``): that is
+how a test finds what is left. Bounds: the launch's deadline (150 s) < pytest's timeout
+(300 s for a class's first test, which runs the launch).
 """
 
 from __future__ import annotations
@@ -97,16 +98,16 @@ class Launch:
             raise AssertionError(f"the launch overran {DEADLINE_S} s:\n{self.tails()}") from None
         return self.proc.returncode
 
-    def gone_within(self, seconds: float) -> float:
-        """Seconds until no process of the launch is left (fails after ``seconds``)."""
+    def left_after(self, seconds: float) -> list[int]:
+        """The processes of the launch still alive after waiting (bounded) ``seconds``
+        for every one to be gone; killed then."""
         start = time.monotonic()
         while marked_pids(self.marker) and time.monotonic() - start < seconds:
             time.sleep(0.05)  # bounded wait for processes to finish exiting
         left = marked_pids(self.marker)
         if left:
             self.kill_all()
-            raise AssertionError(f"processes {left} still alive; logs:\n{self.tails()}")
-        return time.monotonic() - start
+        return left
 
 
 def launch(
@@ -203,136 +204,167 @@ def states(root: Path) -> dict[str, str]:
     return {tid: t.metadata.state.value for tid, t in neps_trials(root).items()}
 
 
-@pytest.mark.timeout(300)
-def test_two_groups_share_one_search_while_default_ports_are_taken(tmp_path: Path) -> None:
-    with listening_on(range(29500, 29506)) as held:
-        run = launch(tmp_path, "--devices", "0-3", trials=6)
-        rc = run.finish()
-    assert held == list(range(29500, 29506)), f"only {held} were taken: the test tested less"
-    assert rc == 0, run.tails()
-    run.gone_within(15)
-    events = run.events()
-    owner = assert_each_trial_in_one_group(events)
-    recorded = states(run.root)
-    assert len(recorded) >= 6
-    assert set(recorded) == set(owner), (recorded, owner)
-    assert set(recorded.values()) == {"success"}, recorded
-    # Every rank of both groups started, on its own slice of the devices given.
-    starts = {(e["group"], e["rank"]): e["cuda_visible"] for e in events if e["event"] == "start"}
-    assert starts == {("0", 0): "0,1", ("0", 1): "0,1", ("1", 0): "2,3", ("1", 1): "2,3"}
-    exits = {e["pid"]: e["code"] for e in events if e["event"] == "exit"}
-    assert exits == dict.fromkeys({e["pid"] for e in events if e["event"] == "start"}, 0)
-    # One log per rank, and a status line per group on the launcher's output.
-    for group in ("group0", "group1"):
-        for rank in ("rank0", "rank1"):
-            assert "attempt 0" in (run.logs / group / f"{rank}.log").read_text()
-    out = run.output()
-    assert "group 0 [0,1]: finished" in out and "group 1 [2,3]: finished" in out, out
-    finished = sum(
-        int(line.rsplit("finished ", 1)[1].split()[0])
-        for line in out.splitlines()[-2:]
-        if line.startswith("group ")
-    )
-    assert finished == len(recorded), out
+@dataclass
+class Finished:
+    """A launch that ended: its exit code, and what was left of it (killed then)."""
+
+    run: Launch
+    returncode: int
+    left: list[int]
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.run.events()
+
+
+def finish(run: Launch, linger: float = 15.0) -> Finished:
+    rc = run.finish()
+    return Finished(run, rc, run.left_after(linger))
+
+
+class EndsWithZero:
+    """A launch that succeeds: exit code 0, and nothing of it left within 15 s.
+    A class provides ``done``."""
+
+    def test_the_launcher_exits_with_0(self, done: Finished) -> None:
+        assert done.returncode == 0, done.run.tails()
+
+    def test_no_process_of_the_launch_is_left(self, done: Finished) -> None:
+        assert not done.left, f"processes {done.left} still alive; logs:\n{done.run.tails()}"
+
+
+class SharesOneSearch(EndsWithZero):
+    """Every trial evaluated by one group only (all its ranks, its leader's arguments);
+    NePS holds exactly those trials, each a success, at least the budget of 6."""
+
+    @classmethod
+    def owner(cls, done: Finished) -> dict[str, str]:
+        return assert_each_trial_in_one_group(done.events())
+
+    def test_each_trial_was_evaluated_by_all_ranks_of_one_group_only(self, done: Finished) -> None:
+        assert self.owner(done)
+
+    def test_neps_holds_exactly_the_trials_the_groups_evaluated(self, done: Finished) -> None:
+        assert set(states(done.run.root)) == set(self.owner(done))
+
+    def test_neps_recorded_every_trial_as_a_success(self, done: Finished) -> None:
+        recorded = states(done.run.root)
+        assert set(recorded.values()) == {"success"}, recorded
+
+    def test_the_groups_spent_the_budget(self, done: Finished) -> None:
+        assert len(states(done.run.root)) >= 6
 
 
 @pytest.mark.timeout(300)
-def test_one_launcher_per_node_under_srun_share_one_search(tmp_path: Path) -> None:
+class TestTwoGroupsShareOneSearchWhileDefaultPortsAreTaken(SharesOneSearch):
+    @dataclass
+    class Held(Finished):
+        held: list[int]
+
+    @pytest.fixture(scope="class")
+    def done(self, tmp_path_factory: pytest.TempPathFactory) -> Held:
+        tmp = tmp_path_factory.mktemp("two_groups")
+        with listening_on(range(29500, 29506)) as held:
+            run = launch(tmp, "--devices", "0-3", trials=6)
+            rc = run.finish()
+        return self.Held(run, rc, run.left_after(15), held)
+
+    def test_torchs_default_port_and_its_neighbours_were_taken(self, done: Held) -> None:
+        """Without it the test tests less."""
+        assert done.held == list(range(29500, 29506)), f"only {done.held} were taken"
+
+    def test_every_rank_that_started_exited_with_0(self, done: Finished) -> None:
+        events = done.events()
+        exits = {e["pid"]: e["code"] for e in events if e["event"] == "exit"}
+        assert exits == dict.fromkeys({e["pid"] for e in events if e["event"] == "start"}, 0)
+
+    def test_every_rank_started_on_its_groups_slice_of_the_devices(self, done: Finished) -> None:
+        events = done.events()
+        starts = {
+            (e["group"], e["rank"]): e["cuda_visible"] for e in events if e["event"] == "start"
+        }
+        assert starts == {("0", 0): "0,1", ("0", 1): "0,1", ("1", 0): "2,3", ("1", 1): "2,3"}
+
+    @pytest.mark.parametrize("group", ["group0", "group1"])
+    @pytest.mark.parametrize("rank", ["rank0", "rank1"])
+    def test_each_rank_has_a_log_of_its_own(self, done: Finished, group: str, rank: str) -> None:
+        assert "attempt 0" in (done.run.logs / group / f"{rank}.log").read_text()
+
+    def test_the_launcher_printed_each_groups_status(self, done: Finished) -> None:
+        out = done.run.output()
+        assert "group 0 [0,1]: finished" in out and "group 1 [2,3]: finished" in out, out
+
+    def test_the_status_lines_count_every_trial(self, done: Finished) -> None:
+        out = done.run.output()
+        finished = sum(
+            int(line.rsplit("finished ", 1)[1].split()[0])
+            for line in out.splitlines()[-2:]
+            if line.startswith("group ")
+        )
+        assert finished == len(states(done.run.root)), out
+
+
+@pytest.mark.timeout(300)
+class TestOneLauncherPerNodeUnderSrunShareOneSearch(SharesOneSearch):
     """`srun --ntasks-per-node=1 neps-bcast launch --groups 1 ...` on two nodes, simulated:
     two SLURM tasks on this host (tests/scripts/fake_srun.py sets SLURM's variables), each
     a launcher of one group of 2 ranks, on one NePS root and one --log-dir."""
-    meet = tmp_path / "meet"
-    meet.mkdir()
-    run = launch(
-        tmp_path,
-        trials=6,
-        groups=1,
-        prefix=(PYTHON, str(FAKE_SRUN), "--ntasks", "2", "--"),
-        LAUNCH_MEET=f"{meet},2",  # both nodes in their first trial before either goes on
-    )
-    rc = run.finish()
-    assert rc == 0, run.tails()
-    run.gone_within(15)
-    events = run.events()
-    launches = sorted({e["launch"] for e in events if e["event"] == "start"})
-    assert len(launches) == 2, f"want one launcher per task, got {launches}:\n{run.tails()}"
-    # One group per launcher: the (launcher, group) pair is the DDP group.
-    by_node = [{**e, "group": f"{launches.index(e['launch'])}/{e['group']}"} for e in events]
-    owner = assert_each_trial_in_one_group(by_node)
-    assert set(owner.values()) == {"0/0", "1/0"}, f"a node evaluated nothing: {owner}"
-    assert {e["launches"] for e in events if e["event"] == "met"} == {2}, run.tails()
-    recorded = states(run.root)
-    assert len(recorded) >= 6
-    assert set(recorded) == set(owner), (recorded, owner)
-    assert set(recorded.values()) == {"success"}, recorded
-    # The groups are torchrun launches: no rank saw the node's SLURM task variables.
-    starts = [e for e in by_node if e["event"] == "start"]
-    assert {(e["group"], e["rank"]) for e in starts} == {
-        ("0/0", 0),
-        ("0/0", 1),
-        ("1/0", 0),
-        ("1/0", 1),
-    }
-    assert {e["slurm_procid"] for e in starts} == {None}
-    # Each task keeps its own logs under the shared --log-dir.
-    for task in ("task0", "task1"):
-        for rank in ("rank0", "rank1"):
-            assert "attempt 0" in (run.logs / task / "group0" / f"{rank}.log").read_text()
 
+    @pytest.fixture(scope="class")
+    def done(self, tmp_path_factory: pytest.TempPathFactory) -> Finished:
+        tmp = tmp_path_factory.mktemp("srun")
+        meet = tmp / "meet"
+        meet.mkdir()
+        run = launch(
+            tmp,
+            trials=6,
+            groups=1,
+            prefix=(PYTHON, str(FAKE_SRUN), "--ntasks", "2", "--"),
+            LAUNCH_MEET=f"{meet},2",  # both nodes in their first trial before either goes on
+        )
+        return finish(run)
 
-@pytest.mark.timeout(300)
-def test_a_sigkilled_rank_restarts_its_group_while_the_other_goes_on(tmp_path: Path) -> None:
-    flag = tmp_path / "killed"
-    # Rank 1 of group 1 SIGKILLs itself in its first trial; group 0's trials wait until
-    # group 1 is back (a file its restarted ranks create), so both evaluate afterwards.
-    run = launch(
-        tmp_path,
-        "--max-restarts",
-        "1",
-        trials=8,
-        LAUNCH_KILL=f"1,1,1,{flag}",
-        LAUNCH_RESTARTED=str(tmp_path / "restarted"),
-        LAUNCH_WAIT_RESTART="0",
-    )
-    rc = run.finish()
-    assert rc == 0, run.tails()
-    run.gone_within(15)
-    events = run.events()
-    kills = [e for e in events if e["event"] == "kill"]
-    assert len(kills) == 1, run.tails()
-    killed_at = kills[0]["t"]
-    assert all(e["restarted"] for e in events if e["event"] == "waited"), run.tails()
-    # Group 1 restarted: its ranks ran again, in new processes.
-    restarted = [e for e in events if e["group"] == "1" and e["restart"] == 1]
-    assert {e["rank"] for e in restarted if e["event"] == "start"} == {0, 1}, run.tails()
-    # Group 0 never stopped: one process per rank from start to end, never restarted,
-    # and it kept evaluating trials after the kill.
-    group0 = [e for e in events if e["group"] == "0"]
-    assert {e["restart"] for e in group0} == {0}
-    assert len({e["pid"] for e in group0}) == 2
-    assert {e["rank"] for e in group0 if e["event"] == "exit" and e["code"] == 0} == {0, 1}
-    # Each trial in one group (the interrupted one aside: NePS may hand it out again);
-    # NePS holds every trial once, none left evaluating, and the budget was reached.
-    interrupted = kills_trial(events)
-    owner = assert_each_trial_in_one_group(
-        [e for e in events if e["event"] != "trial" or e["trial_id"] != interrupted]
-    )
-    recorded = states(run.root)
-    assert interrupted in recorded, recorded
-    assert "evaluating" not in recorded.values() and "pending" not in recorded.values(), recorded
-    assert set(owner) <= set(recorded)
-    assert sum(state in ("success", "crashed") for state in recorded.values()) >= 8, recorded
-    after_restart = [e for e in restarted if e["event"] == "trial"]
-    assert after_restart, f"group 1 never evaluated a trial after its restart:\n{run.tails()}"
-    assert any(e["event"] == "trial" and e["t"] > killed_at for e in group0), (
-        "group 0 evaluated nothing after the kill (positive control for 'never stopped')"
-    )
-    first_start = min(e["t"] for e in restarted if e["event"] == "start")
-    first_trial = min(e["t"] for e in restarted if e["event"] == "trial")
-    print(
-        f"kill -> restarted ranks start: {first_start - killed_at:.1f} s;"
-        f" -> first trial after restart: {first_trial - killed_at:.1f} s"
-    )
+    @staticmethod
+    def by_node(done: Finished) -> list[dict[str, Any]]:
+        """One group per launcher: the (launcher, group) pair is the DDP group."""
+        events = done.events()
+        launches = sorted({e["launch"] for e in events if e["event"] == "start"})
+        return [{**e, "group": f"{launches.index(e['launch'])}/{e['group']}"} for e in events]
+
+    @classmethod
+    def owner(cls, done: Finished) -> dict[str, str]:
+        return assert_each_trial_in_one_group(cls.by_node(done))
+
+    def test_each_task_ran_a_launcher_of_its_own(self, done: Finished) -> None:
+        launches = {e["launch"] for e in done.events() if e["event"] == "start"}
+        assert len(launches) == 2, f"want one launcher per task, got {launches}"
+
+    def test_both_nodes_evaluated_trials(self, done: Finished) -> None:
+        owner = self.owner(done)
+        assert set(owner.values()) == {"0/0", "1/0"}, f"a node evaluated nothing: {owner}"
+
+    def test_both_nodes_met_in_their_first_trial(self, done: Finished) -> None:
+        assert {e["launches"] for e in done.events() if e["event"] == "met"} == {2}
+
+    def test_every_rank_of_each_nodes_group_started(self, done: Finished) -> None:
+        starts = [e for e in self.by_node(done) if e["event"] == "start"]
+        assert {(e["group"], e["rank"]) for e in starts} == {
+            ("0/0", 0),
+            ("0/0", 1),
+            ("1/0", 0),
+            ("1/0", 1),
+        }
+
+    def test_no_rank_saw_the_nodes_slurm_task_variables(self, done: Finished) -> None:
+        """The groups are torchrun launches."""
+        starts = [e for e in done.events() if e["event"] == "start"]
+        assert {e["slurm_procid"] for e in starts} == {None}
+
+    @pytest.mark.parametrize("task", ["task0", "task1"])
+    @pytest.mark.parametrize("rank", ["rank0", "rank1"])
+    def test_each_task_keeps_its_own_logs_under_the_shared_log_dir(
+        self, done: Finished, task: str, rank: str
+    ) -> None:
+        assert "attempt 0" in (done.run.logs / task / "group0" / f"{rank}.log").read_text()
 
 
 def kills_trial(events: list[dict[str, Any]]) -> str:
@@ -346,82 +378,198 @@ def kills_trial(events: list[dict[str, Any]]) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_every_group_and_leaves_no_trial_evaluating(tmp_path: Path) -> None:
-    run = launch(tmp_path, trials=6, LAUNCH_HOLD_S="90")
-    run.wait_until(
-        "every rank of both groups inside a trial",
-        lambda: (
-            {(e["group"], e["rank"]) for e in run.of("training")}
-            == {("0", 0), ("0", 1), ("1", 0), ("1", 1)}
-        ),
-    )
-    sent = time.monotonic()
-    run.proc.send_signal(signal.SIGINT)
-    rc = run.finish()
-    exited = time.monotonic() - sent
-    run.gone_within(30)
-    gone = time.monotonic() - sent
-    print(
-        f"Ctrl-C -> launcher exited ({rc}) after {exited:.1f} s; every process gone after {gone:.1f} s"
-    )
-    assert gone < 30
-    assert rc == 128 + signal.SIGINT, run.tails()
-    assert "SIGINT received: stopping every group" in run.output()
-    recorded = states(run.root)
-    assert recorded, "NePS recorded nothing"
-    assert "evaluating" not in recorded.values(), (recorded, run.tails())
-    held = {e["trial_id"] for e in run.of("trial")}
-    assert held <= set(recorded)
+class TestASigkilledRankRestartsItsGroupWhileTheOtherGoesOn(EndsWithZero):
+    """Rank 1 of group 1 SIGKILLs itself in its first trial; group 0's trials wait until
+    group 1 is back (a file its restarted ranks create), so both evaluate afterwards."""
+
+    @pytest.fixture(scope="class")
+    def done(self, tmp_path_factory: pytest.TempPathFactory) -> Finished:
+        tmp = tmp_path_factory.mktemp("restart")
+        run = launch(
+            tmp,
+            "--max-restarts",
+            "1",
+            trials=8,
+            LAUNCH_KILL=f"1,1,1,{tmp / 'killed'}",
+            LAUNCH_RESTARTED=str(tmp / "restarted"),
+            LAUNCH_WAIT_RESTART="0",
+        )
+        return finish(run)
+
+    @staticmethod
+    def restarted(done: Finished) -> list[dict[str, Any]]:
+        return [e for e in done.events() if e["group"] == "1" and e["restart"] == 1]
+
+    @staticmethod
+    def killed_at(done: Finished) -> float:
+        return float(next(e["t"] for e in done.events() if e["event"] == "kill"))
+
+    def test_the_rank_was_killed_once(self, done: Finished) -> None:
+        assert len([e for e in done.events() if e["event"] == "kill"]) == 1, done.run.tails()
+
+    def test_group_0_waited_until_group_1_was_back(self, done: Finished) -> None:
+        assert all(e["restarted"] for e in done.events() if e["event"] == "waited")
+
+    def test_group_1_restarted_both_ranks_in_new_processes(self, done: Finished) -> None:
+        assert {e["rank"] for e in self.restarted(done) if e["event"] == "start"} == {0, 1}
+
+    def test_group_0_never_restarted(self, done: Finished) -> None:
+        """One process per rank from start to end, each exiting with 0."""
+        group0 = [e for e in done.events() if e["group"] == "0"]
+        assert {e["restart"] for e in group0} == {0}
+        assert len({e["pid"] for e in group0}) == 2
+        assert {e["rank"] for e in group0 if e["event"] == "exit" and e["code"] == 0} == {0, 1}
+
+    def test_group_0_kept_evaluating_after_the_kill(self, done: Finished) -> None:
+        """The positive control for "never restarted": it was running all along."""
+        group0 = [e for e in done.events() if e["group"] == "0"]
+        assert any(e["event"] == "trial" and e["t"] > self.killed_at(done) for e in group0)
+
+    def test_group_1_evaluated_a_trial_after_its_restart(self, done: Finished) -> None:
+        after_restart = [e for e in self.restarted(done) if e["event"] == "trial"]
+        assert after_restart, (
+            f"group 1 never evaluated a trial after its restart:\n{done.run.tails()}"
+        )
+        first_start = min(e["t"] for e in self.restarted(done) if e["event"] == "start")
+        print(
+            f"kill -> restarted ranks start: {first_start - self.killed_at(done):.1f} s;"
+            f" -> first trial after restart: {after_restart[0]['t'] - self.killed_at(done):.1f} s"
+        )
+
+    def test_each_other_trial_was_evaluated_by_one_group(self, done: Finished) -> None:
+        """The interrupted one aside: NePS may hand it out again."""
+        events = done.events()
+        interrupted = kills_trial(events)
+        owner = assert_each_trial_in_one_group(
+            [e for e in events if e["event"] != "trial" or e["trial_id"] != interrupted]
+        )
+        assert set(owner) <= set(states(done.run.root))
+
+    def test_neps_holds_the_interrupted_trial_and_none_is_left_unfinished(
+        self, done: Finished
+    ) -> None:
+        recorded = states(done.run.root)
+        assert kills_trial(done.events()) in recorded, recorded
+        assert "evaluating" not in recorded.values() and "pending" not in recorded.values()
+
+    def test_the_budget_was_spent(self, done: Finished) -> None:
+        recorded = states(done.run.root)
+        assert sum(state in ("success", "crashed") for state in recorded.values()) >= 8, recorded
 
 
-BAD = [
-    (
-        ["--groups", "2", "--nproc-per-group", "0"],
+@pytest.mark.timeout(300)
+class TestCtrlCStopsEveryGroupAndLeavesNoTrialEvaluating:
+    @dataclass
+    class Interrupted(Finished):
+        gone_s: float
+
+    @pytest.fixture(scope="class")
+    def done(self, tmp_path_factory: pytest.TempPathFactory) -> Interrupted:
+        run = launch(tmp_path_factory.mktemp("ctrl_c"), trials=6, LAUNCH_HOLD_S="90")
+        run.wait_until(
+            "every rank of both groups inside a trial",
+            lambda: (
+                {(e["group"], e["rank"]) for e in run.of("training")}
+                == {("0", 0), ("0", 1), ("1", 0), ("1", 1)}
+            ),
+        )
+        sent = time.monotonic()
+        run.proc.send_signal(signal.SIGINT)
+        rc = run.finish()
+        exited = time.monotonic() - sent
+        left = run.left_after(30)
+        gone = time.monotonic() - sent
+        print(
+            f"Ctrl-C -> launcher exited ({rc}) after {exited:.1f} s;"
+            f" every process gone after {gone:.1f} s"
+        )
+        return self.Interrupted(run, rc, left, gone)
+
+    def test_every_process_was_gone_within_30_s(self, done: Interrupted) -> None:
+        assert not done.left, f"processes {done.left} still alive; logs:\n{done.run.tails()}"
+        assert done.gone_s < 30
+
+    def test_the_launcher_exits_with_130(self, done: Finished) -> None:
+        assert done.returncode == 128 + signal.SIGINT, done.run.tails()
+
+    def test_the_launcher_said_it_stops_every_group(self, done: Finished) -> None:
+        assert "SIGINT received: stopping every group" in done.run.output()
+
+    def test_neps_recorded_the_trials_and_none_is_left_evaluating(self, done: Finished) -> None:
+        recorded = states(done.run.root)
+        assert recorded, "NePS recorded nothing"
+        assert "evaluating" not in recorded.values(), (recorded, done.run.tails())
+
+    def test_neps_holds_every_trial_a_rank_evaluated(self, done: Finished) -> None:
+        held = {e["trial_id"] for e in done.run.of("trial")}
+        assert held <= set(states(done.run.root))
+
+
+REFUSED = {
+    "nproc_per_group_0": (
+        ["--groups", "2", "--nproc-per-group", "0", str(SCRIPT)],
         r"--nproc-per-group 0: .*HINT: pass --nproc-per-group 1 or more",
     ),
-    (["--groups", "0", "--nproc-per-group", "2"], r"--groups 0: .*HINT: pass --groups 1 or more"),
-    (
-        ["--groups", "2", "--nproc-per-group", "2", "--devices", "0,1,2"],
+    "groups_0": (
+        ["--groups", "0", "--nproc-per-group", "2", str(SCRIPT)],
+        r"--groups 0: .*HINT: pass --groups 1 or more",
+    ),
+    "more_ranks_than_devices": (
+        ["--groups", "2", "--nproc-per-group", "2", "--devices", "0,1,2", str(SCRIPT)],
         r"= 4 ranks, but there are only 3 devices \(0,1,2\).*HINT: lower --groups or --nproc-per-group",
     ),
-    (
-        ["--groups", "2", "--nproc-per-group", "1", "--devices", "0,1,1"],
+    "a_device_twice": (
+        ["--groups", "2", "--nproc-per-group", "1", "--devices", "0,1,1", str(SCRIPT)],
         r"lists device 1 twice.*HINT: list every device once",
     ),
-]
-
-
-@pytest.mark.parametrize(("args", "message"), BAD)
-def test_bad_arguments_fail_before_any_process_starts(
-    tmp_path: Path, args: list[str], message: str
-) -> None:
-    check_refused(tmp_path, [*args, str(SCRIPT)], message)
-
-
-def test_a_missing_script_fails_before_any_process_starts(tmp_path: Path) -> None:
-    check_refused(
-        tmp_path,
+    "a_missing_script": (
         ["--groups", "2", "--nproc-per-group", "2", "nothere.py"],
         r"the script 'nothere.py' does not exist \(relative to .*\)\. HINT: pass the path of the Python script",
-    )
+    ),
+}
 
 
-def check_refused(tmp_path: Path, args: list[str], message: str) -> None:
-    marker = uuid.uuid4().hex
-    env = base_env(LAUNCH_RECORD_DIR=str(tmp_path), LAUNCH_ROOT=str(tmp_path / "root"))
-    env[MARKER] = marker
-    done = subprocess.run(
-        [NEPS_BCAST, "launch", "--log-dir", str(tmp_path / "logs"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2, (done.stdout, done.stderr)
-    assert re.search(r"^\[neps_bcast launch\] .*" + message, done.stderr, re.MULTILINE), done.stderr
-    # Nothing started: no log folder, no record of any rank, no process of the launch.
-    assert not (tmp_path / "logs").exists()
-    assert not list(tmp_path.glob("*.jsonl"))
-    assert not marked_pids(marker)
+@dataclass
+class Refused:
+    done: subprocess.CompletedProcess[str]
+    message: str
+    folder: Path
+    left: list[int]
+
+
+class TestBadArgumentsFailBeforeAnyProcessStarts:
+    @pytest.fixture(scope="class", params=list(REFUSED))
+    def refused(
+        self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> Refused:
+        args, message = REFUSED[request.param]
+        tmp = tmp_path_factory.mktemp("refused")
+        marker = uuid.uuid4().hex
+        env = base_env(LAUNCH_RECORD_DIR=str(tmp), LAUNCH_ROOT=str(tmp / "root"))
+        env[MARKER] = marker
+        done = subprocess.run(
+            [NEPS_BCAST, "launch", "--log-dir", str(tmp / "logs"), *args],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        return Refused(done, message, tmp, marked_pids(marker))
+
+    def test_the_launcher_exits_with_2(self, refused: Refused) -> None:
+        assert refused.done.returncode == 2, (refused.done.stdout, refused.done.stderr)
+
+    def test_the_launcher_names_the_problem_and_what_to_do(self, refused: Refused) -> None:
+        pattern = r"^\[neps_bcast launch\] .*" + refused.message
+        assert re.search(pattern, refused.done.stderr, re.MULTILINE), refused.done.stderr
+
+    def test_no_log_folder_was_made(self, refused: Refused) -> None:
+        assert not (refused.folder / "logs").exists()
+
+    def test_no_rank_recorded_anything(self, refused: Refused) -> None:
+        assert not list(refused.folder.glob("*.jsonl"))
+
+    def test_no_process_of_the_launch_exists(self, refused: Refused) -> None:
+        assert not refused.left

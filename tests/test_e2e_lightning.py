@@ -1,184 +1,321 @@
-"""End to end: real NePS searches over Lightning strategy="ddp" trials, `python script.py`."""
+"""End to end: real NePS searches over Lightning strategy="ddp" trials, `python script.py`.
+
+Each class is one launch (its ``launch`` fixture, run once for the class) and the tests
+that read what it left: the ranks' records, NePS's own record of the root, the logs.
+"""
 
 from __future__ import annotations
 
-import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from harness import (
-    assert_clean_launch,
+    LIGHTNING,
+    SINGLE,
+    CleanLaunch,
+    Result,
     assert_followers_never_touch_neps,
+    assert_the_leader_touched_neps,
+    identical_on_every_rank,
     neps_trials,
+    python,
     run,
     start,
     trials_by_rank,
 )
 from neps_bcast.compat import procfs
-from scenario import Fault, Scenario
 
 BASIC_KEYS = ("lr", "hidden", "activation")
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-def test_every_rank_evaluates_the_leaders_trials(tmp_path: Path, devices: int) -> None:
-    result = run(Scenario(devices=devices, trials=5, extra_args=True), tmp_path)
-    assert_clean_launch(result)
-    events = result.events
+class TestEveryRankEvaluatesTheLeadersTrials(CleanLaunch):
+    """2 and 3 ranks, 5 trials; the function names NePS's pipeline arguments."""
 
-    by_rank = trials_by_rank(events)
-    assert sorted(by_rank) == list(range(devices)), result.tail()
-    leader = by_rank[0]
-    assert len(leader) == 5
-    for rank in range(1, devices):
-        # Same trial ids, same exact keyword arguments, same order.
-        assert json.dumps(by_rank[rank], sort_keys=True) == json.dumps(leader, sort_keys=True)
+    @pytest.fixture(scope="class", params=[2, 3], ids=["2_ranks", "3_ranks"])
+    def devices(self, request: pytest.FixtureRequest) -> int:
+        return int(request.param)
 
-    recorded = neps_trials(result.root)
-    assert sorted(recorded) == sorted(tid for tid, _ in leader)
-    for tid, kwargs in leader:
-        trial = recorded[tid]
-        assert trial.report is not None and trial.report.reported_as == "success"
-        for key in BASIC_KEYS:
-            assert trial.config[key] == kwargs[key]
-        # NePS injected these because the signature names them; followers got them too.
-        assert kwargs["pipeline_id"] == tid
-        assert Path(kwargs["pipeline_directory"]) == Path(trial.metadata.location)
+    @pytest.fixture(scope="class")
+    def launch(self, devices: int, tmp_path_factory: pytest.TempPathFactory) -> Result:
+        command = python(LIGHTNING, "--devices", devices, "--trials", 5, "--with-dirs")
+        return run(command, tmp_path_factory.mktemp("ranks"))
 
-    # world_size: None while no group exists (every rank's trial 1 before its first
-    # fit), then the group's size.
-    first_id = leader[0][0]
-    for e in result.of("trial"):
-        assert e["world_size"] == (None if e["trial_id"] == first_id else devices), e
+    def test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments(
+        self, launch: Result, devices: int
+    ) -> None:
+        identical_on_every_rank(launch, devices)
 
-    exits = result.exits
-    assert sorted(exits) == list(range(devices))
-    assert all(e["ok"] and e["code"] == 0 for e in exits.values())
-    # The leader is the launched process itself: its record matches its exit code.
-    assert exits[0]["pid"] == next(e["pid"] for e in result.of("start") if e["proc_rank"] == 0)
-    # Followers never call neps.run, never open NePS's state, never open or list a
-    # file under the root; the leader did each (positive controls).
-    assert_followers_never_touch_neps(result.exits)
-    # Every rank logs with its rank and role; only the leader's NePS speaks.
-    assert f"[neps_bcast rank 1/{devices} follower]" in result.log
-    assert "[neps_bcast rank 0/" in result.log
+    def test_the_leader_evaluated_the_whole_budget(self, launch: Result) -> None:
+        assert len(trials_by_rank(launch.events)[0]) == 5, launch.tail()
 
-
-def test_multi_fidelity_continues_from_the_previous_checkpoint(tmp_path: Path) -> None:
-    result = run(Scenario(space="fidelity", optimizer="hyperband", trials=6), tmp_path)
-    assert_clean_launch(result)
-    by_rank = trials_by_rank(result.events)
-    assert sorted(by_rank) == [0, 1]
-    assert json.dumps(by_rank[1], sort_keys=True) == json.dumps(by_rank[0], sort_keys=True)
-    promoted = [e for e in result.of("trial") if e["previous_pipeline_directory"]]
-    assert promoted, "hyperband promoted no trial: the test must exercise a continuation"
-    assert {e["rank"] for e in promoted} == {0, 1}
-    assert all(e["ckpt_exists"] for e in promoted)
-    recorded = neps_trials(result.root)
-    for e in promoted:
-        trial = recorded[e["trial_id"]]
-        assert Path(e["previous_pipeline_directory"]) == Path(
-            trial.metadata.previous_trial_location
+    def test_neps_recorded_every_trial_as_a_success(self, launch: Result) -> None:
+        leader = trials_by_rank(launch.events)[0]
+        recorded = neps_trials(launch.root)
+        assert sorted(recorded) == sorted(tid for tid, _ in leader)
+        assert all(
+            t.report is not None and t.report.reported_as == "success" for t in recorded.values()
         )
-        assert e["kwargs"]["epochs"] > 1
-    assert "Restored all states from the checkpoint" in result.log
-    assert all(
-        t.report is not None and t.report.reported_as == "success" for t in recorded.values()
-    )
-    # The follower opened nothing under the root but the checkpoints the user's own
-    # Lightning code loads there (Trainer.fit(ckpt_path=...) reads it on every rank).
-    follower = result.exits[1]
-    assert follower["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}
-    assert follower["root_access"]["paths"], "the user's checkpoint load was not seen"
-    assert all(p.endswith("/last.ckpt") for p in follower["root_access"]["paths"]), follower
+
+    def test_the_ranks_got_the_configuration_neps_recorded(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        for tid, kwargs in trials_by_rank(launch.events)[0]:
+            assert {k: recorded[tid].config[k] for k in BASIC_KEYS} == {
+                k: kwargs[k] for k in BASIC_KEYS
+            }
+
+    def test_neps_injected_the_pipeline_arguments_the_signature_names(self, launch: Result) -> None:
+        """The leader got them from NePS; the followers the same (the identical test)."""
+        recorded = neps_trials(launch.root)
+        for tid, kwargs in trials_by_rank(launch.events)[0]:
+            assert kwargs["pipeline_id"] == tid
+            assert Path(kwargs["pipeline_directory"]) == Path(recorded[tid].metadata.location)
+
+    def test_world_size_is_none_before_the_first_fit_then_the_groups_size(
+        self, launch: Result, devices: int
+    ) -> None:
+        first_id = trials_by_rank(launch.events)[0][0][0]
+        for e in launch.of("trial"):
+            assert e["world_size"] == (None if e["trial_id"] == first_id else devices), e
+
+    def test_every_rank_recorded_exit_code_0(self, launch: Result, devices: int) -> None:
+        exits = launch.exits
+        assert sorted(exits) == list(range(devices))
+        assert all(e["ok"] and e["code"] == 0 for e in exits.values()), exits
+
+    def test_the_leader_is_the_launched_process_itself(self, launch: Result) -> None:
+        leader_start = next(e for e in launch.of("start") if e["proc_rank"] == 0)
+        assert launch.exits[0]["pid"] == leader_start["pid"]
+
+    def test_followers_never_touched_neps_or_its_root(self, launch: Result) -> None:
+        assert_followers_never_touch_neps(launch.exits)
+
+    def test_the_leader_touched_neps_and_its_root(self, launch: Result) -> None:
+        """The positive control: the counters that stay 0 on followers count here."""
+        assert_the_leader_touched_neps(launch.exits)
+
+    def test_every_rank_logs_with_its_rank_and_role(self, launch: Result, devices: int) -> None:
+        assert f"[neps_bcast rank 1/{devices} follower]" in launch.log
+        assert "[neps_bcast rank 0/" in launch.log
 
 
-def test_single_process_behaves_like_neps_run(tmp_path: Path) -> None:
-    result = run(Scenario(strategy="none", trials=4), tmp_path)
-    assert_clean_launch(result)
-    trials = result.of("trial")
-    assert len(trials) == 4
-    assert {(e["rank"], e["world_size"], e["is_leader"]) for e in trials} == {(0, None, True)}
-    recorded = neps_trials(result.root)
-    assert sorted(recorded) == sorted(e["trial_id"] for e in trials)
-    for e in trials:
-        assert recorded[e["trial_id"]].report.objective_to_minimize == pytest.approx(
-            e["kwargs"]["lr"]
+class TestMultiFidelityContinuesFromThePreviousCheckpoint(CleanLaunch):
+    """hyperband over an epochs fidelity, 6 trials: promoted trials resume the
+    checkpoint their previous trial saved."""
+
+    @pytest.fixture(scope="class")
+    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
+        command = python(
+            LIGHTNING, "--space", "fidelity", "--optimizer", "hyperband", "--trials", 6
         )
-    assert "neps_bcast rank 1" not in result.log
-    assert result.exits[0]["calls"]["neps.run"] == 1
+        return run(command, tmp_path_factory.mktemp("fidelity"))
+
+    @staticmethod
+    def promoted(launch: Result) -> list[dict[str, object]]:
+        return [e for e in launch.of("trial") if e["previous_pipeline_directory"]]
+
+    def test_both_ranks_evaluated_the_same_trials(self, launch: Result) -> None:
+        identical_on_every_rank(launch, 2)
+
+    def test_hyperband_promoted_a_trial(self, launch: Result) -> None:
+        """Without a promotion nothing below tests a continuation."""
+        assert self.promoted(launch), launch.tail()
+
+    def test_both_ranks_continued_the_promoted_trials(self, launch: Result) -> None:
+        assert {e["rank"] for e in self.promoted(launch)} == {0, 1}
+
+    def test_the_previous_checkpoint_was_there_on_every_rank(self, launch: Result) -> None:
+        assert all(e["ckpt_exists"] for e in self.promoted(launch)), self.promoted(launch)
+
+    def test_the_previous_directory_is_the_one_neps_recorded(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        for e in self.promoted(launch):
+            location = recorded[str(e["trial_id"])].metadata.previous_trial_location
+            assert Path(str(e["previous_pipeline_directory"])) == Path(location)
+
+    def test_a_promoted_trial_trains_more_epochs(self, launch: Result) -> None:
+        assert all(e["kwargs"]["epochs"] > 1 for e in self.promoted(launch))  # type: ignore[index]
+
+    def test_lightning_restored_the_checkpoint(self, launch: Result) -> None:
+        assert "Restored all states from the checkpoint" in launch.log
+
+    def test_neps_recorded_every_trial_as_a_success(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        assert all(
+            t.report is not None and t.report.reported_as == "success" for t in recorded.values()
+        )
+
+    def test_the_follower_never_touched_neps(self, launch: Result) -> None:
+        assert launch.exits[1]["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}
+
+    def test_the_follower_opened_only_the_checkpoints_under_the_root(self, launch: Result) -> None:
+        """Lightning's fit(ckpt_path=...) reads the checkpoint on every rank: the user's
+        own code; the same reading sees those opens (positive control)."""
+        paths = launch.exits[1]["root_access"]["paths"]
+        assert paths, "the user's checkpoint load was not seen"
+        assert all(p.endswith("/last.ckpt") for p in paths), paths
 
 
-def test_ddp_spawn_keeps_working(tmp_path: Path) -> None:
-    result = run(Scenario(strategy="ddp_spawn", trials=3), tmp_path)
-    assert_clean_launch(result)
-    trials = result.of("trial")
-    # Only the leader runs the script; Lightning's spawned workers run the fit only.
-    assert len(trials) == 3 and {e["rank"] for e in trials} == {0}
-    assert len({e["pid"] for e in trials}) == 1
-    recorded = neps_trials(result.root)
-    assert all(t.report.reported_as == "success" for t in recorded.values())
-    assert len(recorded) == 3
-    # The spawned ranks trained: each trial stepped on ranks 0 and 1, in processes
-    # other than the script's.
-    script_pid = trials[0]["pid"]
-    steps = result.of("step")
-    assert sorted((e["trial_id"], e["rank"]) for e in steps) == sorted(
-        (e["trial_id"], r) for e in trials for r in (0, 1)
-    ), steps
-    assert script_pid not in {e["pid"] for e in steps}
+class TestSingleProcessBehavesLikeNepsRun(CleanLaunch):
+    @pytest.fixture(scope="class")
+    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
+        return run(python(SINGLE, "--trials", 4), tmp_path_factory.mktemp("single"))
+
+    def test_every_trial_ran_on_a_leader_without_a_group(self, launch: Result) -> None:
+        trials = launch.of("trial")
+        assert len(trials) == 4
+        assert {(e["rank"], e["world_size"], e["is_leader"]) for e in trials} == {(0, None, True)}
+
+    def test_neps_recorded_each_trial(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        assert sorted(recorded) == sorted(e["trial_id"] for e in launch.of("trial"))
+
+    def test_neps_recorded_what_the_function_returned(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        for e in launch.of("trial"):
+            assert recorded[e["trial_id"]].report.objective_to_minimize == pytest.approx(
+                e["kwargs"]["lr"]
+            )
+
+    def test_no_follower_ever_logged(self, launch: Result) -> None:
+        assert "neps_bcast rank 1" not in launch.log
+
+    def test_neps_run_was_called_once(self, launch: Result) -> None:
+        assert launch.exits[0]["calls"]["neps.run"] == 1
 
 
-def test_a_waiting_follower_uses_no_cpu(tmp_path: Path) -> None:
+class TestDdpSpawnKeepsWorking(CleanLaunch):
+    """Lightning ddp_spawn: only the leader runs the script; Lightning's spawned workers
+    run the fit only."""
+
+    @pytest.fixture(scope="class")
+    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
+        command = python(LIGHTNING, "--strategy", "ddp_spawn", "--trials", 3)
+        return run(command, tmp_path_factory.mktemp("spawn"))
+
+    def test_only_the_script_itself_evaluated_the_trials(self, launch: Result) -> None:
+        trials = launch.of("trial")
+        assert len(trials) == 3 and {e["rank"] for e in trials} == {0}
+        assert len({e["pid"] for e in trials}) == 1
+
+    def test_neps_recorded_three_successes(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        assert len(recorded) == 3
+        assert all(t.report.reported_as == "success" for t in recorded.values())
+
+    def test_the_spawned_workers_trained_every_trial_on_both_ranks(self, launch: Result) -> None:
+        steps = launch.of("step")
+        assert sorted((e["trial_id"], e["rank"]) for e in steps) == sorted(
+            (e["trial_id"], r) for e in launch.of("trial") for r in (0, 1)
+        ), steps
+
+    def test_the_script_itself_trained_nothing(self, launch: Result) -> None:
+        script_pid = launch.of("trial")[0]["pid"]
+        assert script_pid not in {e["pid"] for e in launch.of("step")}
+
+
+@dataclass
+class Waiting:
+    """The follower's CPU time over a window in which it waited for its leader."""
+
+    launch: Result
+    before: procfs.ProcStat | None
+    after: procfs.ProcStat | None
+    window: float
+
+
+class TestAWaitingFollowerUsesNoCpu(CleanLaunch):
     """While the leader's NePS takes 4 s to sample trial 3, the follower waits for it:
     it must use < 1% of a core over that window (a polling loop uses ~100%)."""
-    running = start(
-        Scenario(trials=3, faults=(Fault("sleep", where="sample", rank=0, seq=2, seconds=4),)),
-        tmp_path,
-    )
-    follower_pid = running.wait_for(
-        "the follower's start",
-        lambda ev: next((e["pid"] for e in ev if e["event"] == "start" and e["proc_rank"] == 1), 0),
-    )
 
-    def pause(event: str) -> object:
-        return lambda ev: any(e["event"] == event and e["where"] == "sample" for e in ev)
+    @pytest.fixture(scope="class")
+    def waiting(self, tmp_path_factory: pytest.TempPathFactory) -> Waiting:
+        running = start(
+            python(LIGHTNING, "--trials", 3),
+            tmp_path_factory.mktemp("waiting"),
+            fault="sleep:leader:trial=2:at=sample:s=4",
+        )
+        follower_pid = running.wait_for(
+            "the follower's start",
+            lambda ev: next(
+                (e["pid"] for e in ev if e["event"] == "start" and e["proc_rank"] == 1), 0
+            ),
+        )
 
-    running.wait_for("the leader's sampling pause", pause("fault"))
-    before, t0 = procfs.read_stat(follower_pid), time.monotonic()
-    running.wait_for("the end of the pause", pause("slept"))
-    after, t1 = procfs.read_stat(follower_pid), time.monotonic()
-    result = running.finish()
-    assert_clean_launch(result)
-    assert before is not None and after is not None, "the follower was gone while waiting"
-    # Positive control: the same reading shows the follower's own work (imports, two fits).
-    assert before.cpu_seconds > 1.0, before
-    window = t1 - t0
-    assert window > 3.0, window
-    share = (after.cpu_seconds - before.cpu_seconds) / window
-    assert share < 0.01, f"the waiting follower used {share:.1%} of a core over {window:.1f} s"
-    assert [e["trial_id"] for e in result.of("trial") if e["rank"] == 1] == ["1", "2", "3"]
+        def pause(event: str) -> object:
+            return lambda ev: any(e["event"] == event and e["where"] == "sample" for e in ev)
+
+        running.wait_for("the leader's sampling pause", pause("fault"))
+        before, t0 = procfs.read_stat(follower_pid), time.monotonic()
+        running.wait_for("the end of the pause", pause("slept"))
+        after, t1 = procfs.read_stat(follower_pid), time.monotonic()
+        return Waiting(running.finish(), before, after, t1 - t0)
+
+    @pytest.fixture(scope="class")
+    def launch(self, waiting: Waiting) -> Result:
+        return waiting.launch
+
+    def test_the_follower_was_alive_while_it_waited(self, waiting: Waiting) -> None:
+        assert waiting.before is not None and waiting.after is not None
+
+    def test_the_reading_counts_the_followers_own_work(self, waiting: Waiting) -> None:
+        """The positive control: imports and two fits show in the same reading."""
+        assert waiting.before is not None and waiting.before.cpu_seconds > 1.0, waiting.before
+
+    def test_the_window_lasted_over_3_s(self, waiting: Waiting) -> None:
+        assert waiting.window > 3.0, waiting.window
+
+    def test_the_waiting_follower_used_under_1_percent_of_a_core(self, waiting: Waiting) -> None:
+        assert waiting.before is not None and waiting.after is not None
+        share = (waiting.after.cpu_seconds - waiting.before.cpu_seconds) / waiting.window
+        assert share < 0.01, f"the follower used {share:.1%} of a core over {waiting.window:.1f} s"
+
+    def test_the_follower_evaluated_every_trial(self, launch: Result) -> None:
+        assert [e["trial_id"] for e in launch.of("trial") if e["rank"] == 1] == ["1", "2", "3"]
 
 
-def test_user_function_changes_directory_with_a_relative_root(tmp_path: Path) -> None:
-    """The function os.chdir()s into a fresh folder at its start, on every rank, and
-    the root is relative ("results", to the launch's cwd): every trial is still
-    recorded in <cwd>/results, nothing lands under the folders it moved to, and every
-    process is gone within 15 s of the launcher's exit."""
-    moved = tmp_path / "moved"
-    moved.mkdir()
-    result = run(Scenario(trials=3, root="results", chdir_into=str(moved)), tmp_path)
-    assert_clean_launch(result)
-    assert result.root == tmp_path / "results"
-    chdirs = result.of("chdir")
-    assert {(e["proc_rank"], e["seq"]) for e in chdirs} == {
-        (r, s) for r in (0, 1) for s in (1, 2, 3)
-    }
-    recorded = neps_trials(result.root)
-    assert sorted(recorded) == ["1", "2", "3"]
-    assert all(t.report.reported_as == "success" for t in recorded.values())
-    assert not list(moved.rglob("results")), sorted(moved.rglob("*"))
-    by_rank = trials_by_rank(result.events)
-    assert json.dumps(by_rank[1], sort_keys=True) == json.dumps(by_rank[0], sort_keys=True)
+class TestTheFunctionChangesDirectoryUnderARelativeRoot(CleanLaunch):
+    """The function os.chdir()s into a fresh folder at its start, on every rank, and the
+    root is relative ("results", to the launch's cwd): every trial is still recorded in
+    <cwd>/results, nothing lands under the folders it moved to, and every process is gone
+    within 15 s of the launcher's exit (CleanLaunch)."""
+
+    @pytest.fixture(scope="class")
+    def cwd(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        cwd = tmp_path_factory.mktemp("chdir")
+        (cwd / "moved").mkdir()
+        return cwd
+
+    @pytest.fixture(scope="class")
+    def launch(self, cwd: Path) -> Result:
+        command = python(
+            LIGHTNING, "--trials", 3, "--root", "results", "--chdir-into", cwd / "moved"
+        )
+        return run(command, cwd)
+
+    def test_the_leader_resolved_the_root_under_the_launch_cwd(
+        self, launch: Result, cwd: Path
+    ) -> None:
+        """(Lightning starts the follower at the first fit, in the folder the function
+        moved to: a follower never uses the root.)"""
+        leader = next(e for e in launch.of("start") if e["proc_rank"] == 0)
+        assert leader["root"] == str(cwd / "results"), leader
+
+    def test_every_rank_moved_in_every_trial(self, launch: Result) -> None:
+        assert {(e["proc_rank"], e["seq"]) for e in launch.of("chdir")} == {
+            (r, s) for r in (0, 1) for s in (1, 2, 3)
+        }
+
+    def test_neps_recorded_every_trial_in_the_root(self, launch: Result, cwd: Path) -> None:
+        recorded = neps_trials(cwd / "results")
+        assert sorted(recorded) == ["1", "2", "3"]
+        assert all(t.report.reported_as == "success" for t in recorded.values())
+
+    def test_nothing_landed_under_the_folders_it_moved_to(self, cwd: Path, launch: Result) -> None:
+        moved = cwd / "moved"
+        assert not list(moved.rglob("results")), sorted(moved.rglob("*"))
+
+    def test_both_ranks_evaluated_the_same_trials(self, launch: Result) -> None:
+        identical_on_every_rank(launch, 2)

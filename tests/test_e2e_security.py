@@ -1,4 +1,4 @@
-"""Nothing outside the job can drive a rank (issue 10), shown with a real attacker.
+"""Nothing outside the job can drive a rank, shown with a real attacker.
 
 An attacker process on this host reaches the leader's store while a real search runs
 (Lightning ``strategy="ddp"`` and torchrun) and, round after round, overwrites every
@@ -15,50 +15,44 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 from torch._C._distributed_c10d import TCPStore
 
 from harness import (
+    LIGHTNING,
     PYTHON,
     SCRIPTS,
+    SINGLE,
+    TORCH_DDP,
+    CleanLaunch,
+    Result,
     Running,
-    assert_clean_launch,
+    assert_nothing_left,
     neps_trials,
+    python,
     start,
-    torchrun_cmd,
+    torchrun,
 )
 from neps_bcast.compat import procfs
 from neps_bcast.transport import sockets
-from scenario import Fault, Scenario
 
 ATTACKER = SCRIPTS / "attacker.py"
-FAILING_TRIAL = 3
-SCENARIO = Scenario(
-    trials=5,
-    ignore_errors=True,
-    faults=(
-        # A window in trial 2 for the attack to be under way before trial 3 fails.
-        Fault(kind="sleep", rank=0, seq=2, where="session", seconds=3.0),
-        Fault(kind="raise", rank=1, seq=FAILING_TRIAL, where="fit"),
-    ),
-)
+TRIALS = 5
+# A window in trial 2 for the attack to be under way before trial 3 fails.
+FAULT = "sleep:leader:trial=2:at=session:s=3, raise:follower:trial=3:at=fit"
 
 
-def follower_pid(running: Running) -> int:
+def first_trial_pid(running: Running, rank: int) -> int:
     event = running.wait_for(
-        "rank 1's first trial",
-        lambda events: next((e for e in events if e["event"] == "trial" and e["rank"] == 1), None),
-    )
-    return int(event["pid"])
-
-
-def leader_pid(running: Running) -> int:
-    event = running.wait_for(
-        "the leader's first trial",
-        lambda events: next((e for e in events if e["event"] == "trial" and e["rank"] == 0), None),
+        f"rank {rank}'s first trial",
+        lambda events: next(
+            (e for e in events if e["event"] == "trial" and e["rank"] == rank), None
+        ),
     )
     return int(event["pid"])
 
@@ -69,103 +63,173 @@ def listening_ports(pid: int) -> dict[int, str]:
     return {port: ip for ip, port in sockets.listening(table, sockets.socket_inodes(pid))}
 
 
-def attacker(tmp_path: Path) -> subprocess.Popen[str]:
-    """The attacker, started (imports done) before the search; it waits for targets."""
-    cmd = [
-        PYTHON,
-        str(ATTACKER),
-        "--marker",
-        str(tmp_path / "PWNED"),
-        "--stop",
-        str(tmp_path / "stop"),
-        "--targets",
-        str(tmp_path / "targets.json"),
-    ]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+class Attacker:
+    """The attacker process, started (imports done) before the search; it waits for its
+    targets."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.proc = subprocess.Popen(
+            [
+                PYTHON,
+                str(ATTACKER),
+                "--marker",
+                str(tmp / "PWNED"),
+                "--stop",
+                str(tmp / "stop"),
+                "--targets",
+                str(tmp / "targets.json"),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def aim(self, addresses: list[str], prefixes: tuple[str, ...] = ()) -> None:
+        partial = self.tmp / "targets.partial"
+        partial.write_text(json.dumps({"addresses": addresses, "prefixes": list(prefixes)}))
+        partial.rename(self.tmp / "targets.json")
+
+    def stop(self) -> dict[str, Any]:
+        (self.tmp / "stop").touch()
+        out, _ = self.proc.communicate(timeout=60)
+        report: dict[str, Any] = json.loads(out)
+        return report
+
+    def __enter__(self) -> Attacker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Whatever happened, the attacker is gone (stopped, or killed)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
 
 
-def aim(tmp_path: Path, addresses: list[str], prefixes: tuple[str, ...] = ()) -> None:
-    partial = tmp_path / "targets.partial"
-    partial.write_text(json.dumps({"addresses": addresses, "prefixes": list(prefixes)}))
-    partial.rename(tmp_path / "targets.json")
+@dataclass
+class Attacked:
+    launch: Result
+    report: dict[str, Any]
+    tmp: Path
+    ports: dict[int, str] = field(default_factory=dict)
+    """What the leader listened on while the search ran."""
+    store_port: int = 0
+    """The leader's store, as the attacker found it."""
 
 
-def stop_attack(tmp_path: Path, attacker: subprocess.Popen[str]) -> dict[str, Any]:
-    (tmp_path / "stop").touch()
-    out, _ = attacker.communicate(timeout=60)
-    return json.loads(out)
+class SurvivesTheAttack(CleanLaunch):
+    """The search with the attacker: the attack happened and reached the ranks, no
+    outsider's pickle ran, and the search recorded every trial as if alone."""
+
+    @pytest.fixture(scope="class")
+    def launch(self, attacked: Attacked) -> Result:
+        return attacked.launch
+
+    def test_the_attacker_wrote_to_the_stores(self, attacked: Attacked) -> None:
+        assert attacked.report["writes"] > 0, attacked.report
+
+    def test_a_rank_refused_a_forged_value_naming_its_key(self, attacked: Attacked) -> None:
+        """The positive control of the next test: the attack reached the ranks."""
+        assert "refused the value under 'neps_bcast/" in attacked.launch.log, attacked.launch.tail()
+
+    def test_no_outsiders_pickle_ran_in_a_rank(self, attacked: Attacked) -> None:
+        assert not (attacked.tmp / "PWNED").exists()
+
+    def test_neps_recorded_every_trial_one_crashed_the_others_successes(
+        self, attacked: Attacked
+    ) -> None:
+        trials = neps_trials(attacked.launch.root)
+        assert len(trials) == TRIALS
+        recorded = sorted(str(t.report.reported_as) for t in trials.values() if t.report)
+        assert recorded == ["crashed"] + ["success"] * (TRIALS - 1), recorded
+
+    def test_the_injected_failure_is_recorded_with_its_real_text(self, attacked: Attacked) -> None:
+        trials = neps_trials(attacked.launch.root).values()
+        crashed = next(t for t in trials if t.report and t.report.reported_as == "crashed")
+        assert "failed on rank 1: rank 1: ValueError: injected failure on rank 1 at fit" in str(
+            crashed.report.err
+        )
 
 
-def assert_search_survived(result: Any, tmp_path: Path, report: dict[str, Any]) -> None:
-    assert report["writes"] > 0, report  # the attack really happened
-    # ... and reached the ranks: each refused a forged value, naming its key.
-    assert "refused the value under 'neps_bcast/" in result.log, result.tail()
-    assert not (tmp_path / "PWNED").exists(), "an outsider's pickle ran in a rank"
-    assert_clean_launch(result)
-    trials = neps_trials(result.root)
-    assert len(trials) == SCENARIO.trials
-    states = sorted(str(t.report.reported_as) for t in trials.values() if t.report)
-    assert states == ["crashed"] + ["success"] * (SCENARIO.trials - 1), states
-    crashed = next(t for t in trials.values() if t.report and t.report.reported_as == "crashed")
-    text = str(crashed.report.err)
-    assert "failed on rank 1: rank 1: ValueError: injected failure on rank 1 at fit" in text
+class TestAnAttackerOnTheLeadersStoreRunsNothingLightning(SurvivesTheAttack):
+    @pytest.fixture(scope="class")
+    def attacked(self, tmp_path_factory: pytest.TempPathFactory) -> Attacked:
+        tmp = tmp_path_factory.mktemp("attack_lightning")
+        outsider = Attacker(tmp)
+        with outsider:
+            running = start(
+                python(LIGHTNING, "--trials", TRIALS, "--ignore-errors"), tmp, fault=FAULT
+            )
+            child = first_trial_pid(running, 1)
+            address = procfs.environ(child)["NEPS_BCAST_LEADER"]
+            outsider.aim([address])
+            leader = int(procfs.read_stat(child).ppid)  # type: ignore[union-attr]
+            ports = listening_ports(leader)
+            launch = running.finish()
+            report = outsider.stop()
+        return Attacked(launch, report, tmp, ports, int(address.rpartition(":")[2]))
+
+    def test_the_leaders_store_listens_on_loopback_only(self, attacked: Attacked) -> None:
+        assert attacked.ports[attacked.store_port] == "127.0.0.1", attacked.ports
+
+    def test_the_same_reading_sees_a_listener_on_every_interface(self, attacked: Attacked) -> None:
+        """The positive control: Lightning's own store does listen on every interface."""
+        assert any(ip in ("0.0.0.0", "::") for ip in attacked.ports.values()), attacked.ports
 
 
-def test_an_attacker_on_the_leaders_store_runs_nothing_lightning(tmp_path: Path) -> None:
-    outsider = attacker(tmp_path)
-    running = start(SCENARIO, tmp_path)
-    child = follower_pid(running)
-    address = procfs.environ(child)["NEPS_BCAST_LEADER"]
-    aim(tmp_path, [address])
-    leader = int(procfs.read_stat(child).ppid)  # type: ignore[union-attr]
-    ports = listening_ports(leader)
-    result = running.finish()
-    report = stop_attack(tmp_path, outsider)
-    assert_search_survived(result, tmp_path, report)
-    # The socket table: the leader's store listens on loopback only ...
-    assert ports[int(address.rpartition(":")[2])] == "127.0.0.1", ports
-    # ... and the same reading does see a listener on every interface (Lightning's own).
-    assert any(ip in ("0.0.0.0", "::") for ip in ports.values()), ports
+class TestAnAttackerOnBothStoresRunsNothingTorchrun(SurvivesTheAttack):
+    @pytest.fixture(scope="class")
+    def attacked(self, tmp_path_factory: pytest.TempPathFactory) -> Attacked:
+        tmp = tmp_path_factory.mktemp("attack_torchrun")
+        outsider = Attacker(tmp)
+        with outsider:
+            command = torchrun(2, LIGHTNING, "--trials", TRIALS, "--ignore-errors")
+            running = start(command, tmp, fault=FAULT)
+            env = procfs.environ(first_trial_pid(running, 0))
+            rendezvous = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            run_id = env["TORCHELASTIC_RUN_ID"]
+            meet = f"neps_bcast/meet/{run_id}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            # The leader's own store: its address is in torch's store, readable by anyone
+            # (the value is authenticated, not secret), after a 32-byte tag.
+            launcher_store = TCPStore(
+                env["MASTER_ADDR"],
+                int(env["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=30),
+            )
+            ours = [launcher_store.get(f"{meet}/leader")[32:].decode()]
+            outsider.aim([rendezvous, *ours], prefixes=(meet,))
+            launch = running.finish()
+            report = outsider.stop()
+        return Attacked(launch, report, tmp)
 
 
-def test_an_attacker_on_both_stores_runs_nothing_torchrun(tmp_path: Path) -> None:
-    outsider = attacker(tmp_path)
-    running = start(SCENARIO, tmp_path, cmd=torchrun_cmd(2))
-    leader = leader_pid(running)
-    env = procfs.environ(leader)
-    rendezvous = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    meet = (
-        f"neps_bcast/meet/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    )
-    # The leader's own store: its address is in torch's store, readable by anyone (the
-    # value is authenticated, not secret), after a 32-byte tag.
-    launcher_store = TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=30)
-    )
-    ours = [launcher_store.get(f"{meet}/leader")[32:].decode()]
-    aim(tmp_path, [rendezvous, *ours], prefixes=(meet,))
-    result = running.finish()
-    report = stop_attack(tmp_path, outsider)
-    assert_search_survived(result, tmp_path, report)
+@dataclass
+class Listening:
+    launch: Result
+    ports: dict[int, str]
 
 
-def test_a_single_process_search_serves_no_store(tmp_path: Path) -> None:
-    running = start(
-        Scenario(
-            trials=3,
-            strategy="none",
-            faults=(Fault("sleep", rank=0, seq=2, where="session", seconds=1),),
-        ),
-        tmp_path,
-    )
-    running.wait_for(
-        "trial 2's pause", lambda ev: any(e["event"] == "fault" and e["seq"] == 2 for e in ev)
-    )
-    pid = leader_pid(running)
-    ports = listening_ports(pid)
-    result = running.finish()
-    assert_clean_launch(result)
-    assert ports == {}, f"a single-process search listens on {ports}"
+class TestASingleProcessSearchServesNoStore(CleanLaunch):
+    @pytest.fixture(scope="class")
+    def listening(self, tmp_path_factory: pytest.TempPathFactory) -> Listening:
+        running = start(
+            python(SINGLE, "--trials", 3),
+            tmp_path_factory.mktemp("single"),
+            fault="sleep:leader:trial=2:at=session:s=1",
+        )
+        running.wait_for(
+            "trial 2's pause", lambda ev: any(e["event"] == "fault" and e["seq"] == 2 for e in ev)
+        )
+        ports = listening_ports(first_trial_pid(running, 0))
+        return Listening(running.finish(), ports)
+
+    @pytest.fixture(scope="class")
+    def launch(self, listening: Listening) -> Result:
+        return listening.launch
+
+    def test_it_listens_on_no_port(self, listening: Listening) -> None:
+        """The same reading sees the Lightning leader's listeners (above)."""
+        assert listening.ports == {}, f"a single-process search listens on {listening.ports}"
 
 
 def free_port() -> int:
@@ -174,26 +238,51 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_rank_with_another_secret_is_refused_before_trial_1_on_every_rank(
-    tmp_path: Path,
-) -> None:
-    port = free_port()
-    launches = []
-    for rank, secret in ((0, "the search's secret"), (1, "another secret")):
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "NEPS_BCAST_SECRET": secret,
-        }
-        scenario = Scenario(trials=3, strategy="plain_ddp", root=str(tmp_path / "root"))
-        launches.append(start(scenario, tmp_path, name=f"rank{rank}", env=env))
-    results = [launch.finish() for launch in launches]
-    for result in results:
-        assert result.returncode == 1, result.tail()
-        assert not result.left_alive
-        assert "NEPS_BCAST_SECRET: rank 0: " in result.log, result.tail()
-        assert not result.of("trial"), "a trial ran with a mismatched secret"
-    assert not (tmp_path / "root" / "configs").exists() or not neps_trials(tmp_path / "root")
+@dataclass
+class Secrets:
+    launches: dict[int, Result]
+    root: Path
+
+
+class TestARankWithAnotherSecretIsRefusedBeforeTrial1OnEveryRank:
+    """Two processes of one group, started by hand with torch's variables; rank 1 has
+    another NEPS_BCAST_SECRET."""
+
+    @pytest.fixture(scope="class")
+    def secrets(self, tmp_path_factory: pytest.TempPathFactory) -> Secrets:
+        tmp = tmp_path_factory.mktemp("secrets")
+        port = free_port()
+        running = {}
+        for rank, secret in ((0, "the search's secret"), (1, "another secret")):
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "NEPS_BCAST_SECRET": secret,
+            }
+            command = python(TORCH_DDP, "--trials", 3, "--root", tmp / "root")
+            running[rank] = start(command, tmp, name=f"rank{rank}", env=env)
+        return Secrets({rank: r.finish() for rank, r in running.items()}, tmp / "root")
+
+    @pytest.mark.parametrize("rank", [0, 1])
+    def test_the_rank_exits_with_1(self, secrets: Secrets, rank: int) -> None:
+        assert secrets.launches[rank].returncode == 1, secrets.launches[rank].tail()
+
+    @pytest.mark.parametrize("rank", [0, 1])
+    def test_no_process_of_the_rank_is_left(self, secrets: Secrets, rank: int) -> None:
+        assert_nothing_left(secrets.launches[rank])
+
+    @pytest.mark.parametrize("rank", [0, 1])
+    def test_the_rank_names_the_mismatched_secret(self, secrets: Secrets, rank: int) -> None:
+        launch = secrets.launches[rank]
+        assert "NEPS_BCAST_SECRET: rank 0: " in launch.log, launch.tail()
+
+    @pytest.mark.parametrize("rank", [0, 1])
+    def test_the_rank_evaluated_no_trial(self, secrets: Secrets, rank: int) -> None:
+        assert not secrets.launches[rank].of("trial"), "a trial ran with a mismatched secret"
+
+    def test_neps_holds_no_trial(self, secrets: Secrets) -> None:
+        root = secrets.root
+        assert not (root / "configs").exists() or not neps_trials(root)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -117,45 +118,87 @@ def line(stream: IO[str] | None, log: Path) -> dict[str, object]:
     return result
 
 
-@pytest.mark.timeout(180)
-def test_orphan_check_and_crash_record_never_read_neps_state_mid_write(tmp_path: Path) -> None:
-    root = tmp_path / "root"
-    worker_script = tmp_path / "neps_worker.py"
-    worker_script.write_text(NEPS_WORKER)
-    log = tmp_path / "neps_worker.log"
-    with log.open("w") as err:
-        worker = subprocess.Popen(
-            [PYTHON, str(worker_script), str(root)],
-            env=base_env(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-        )
-    try:
-        # NePS is inside its write: the file on disk is empty, NePS holds its lock.
-        assert line(worker.stdout, log) == {"frozen": 0}
-        # Now: the check waits for NePS's lock (here given up on after 0.5 s) instead
-        # of reading the empty pickle; before the fix, both raised EOFError here.
-        busy = {"NEPS_STATE_FILELOCK_TIMEOUT": "0.5"}
-        for what in ("orphans", "crash_record"):
-            result = check(tmp_path, root, what, **busy)
-            assert result.get("error") == "LockException", (what, result)
-            assert "optimizer.lock" in str(result["message"]), (what, result)
-        assert worker.stdin is not None
-        worker.stdin.write("\n")
-        worker.stdin.flush()
-        assert line(worker.stdout, log) == {"done": True}
-        assert worker.wait(timeout=120) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
-    # NePS finished its write and its run: the same check loads the state and finds
-    # nothing to recover; trial 1 was recorded by NePS, untouched by the failed attempt.
-    assert check(tmp_path, root, "orphans") == {"done": []}
-    from neps.state.neps_state import NePSState
+@dataclass
+class Frozen:
+    """What the checks returned while a real neps.run was frozen inside its write, and
+    after it finished."""
 
-    trials = NePSState.create_or_load(path=root, load_only=True).lock_and_read_trials()
-    assert {t.metadata.state.value for t in trials.values()} == {"success"}
-    assert len(trials) == 3
+    frozen: dict[str, object]
+    busy: dict[str, dict[str, object]]
+    """what -> the check's result while NePS held its lock (here given up on after 0.5 s)."""
+    done: dict[str, object]
+    returncode: int
+    after: dict[str, object]
+    root: Path
+
+
+@pytest.mark.timeout(180)
+class TestOurReadsNeverSeeNepsStateMidWrite:
+    """A real neps.run frozen (deterministically) in the middle of rewriting
+    optimizer_state.pkl, holding NePS's lock; then the orphan check and the crash record
+    run against it, and again once NePS finished."""
+
+    @pytest.fixture(scope="class")
+    def checked(self, tmp_path_factory: pytest.TempPathFactory) -> Frozen:
+        tmp_path = tmp_path_factory.mktemp("mid_write")
+        root = tmp_path / "root"
+        worker_script = tmp_path / "neps_worker.py"
+        worker_script.write_text(NEPS_WORKER)
+        log = tmp_path / "neps_worker.log"
+        with log.open("w") as err:
+            worker = subprocess.Popen(
+                [PYTHON, str(worker_script), str(root)],
+                env=base_env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        try:
+            frozen = line(worker.stdout, log)
+            busy = {
+                what: check(tmp_path, root, what, NEPS_STATE_FILELOCK_TIMEOUT="0.5")
+                for what in ("orphans", "crash_record")
+            }
+            assert worker.stdin is not None
+            worker.stdin.write("\n")
+            worker.stdin.flush()
+            done = line(worker.stdout, log)
+            returncode = worker.wait(timeout=120)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+        return Frozen(frozen, busy, done, returncode, check(tmp_path, root, "orphans"), root)
+
+    def test_neps_was_frozen_inside_its_write_with_the_file_empty(self, checked: Frozen) -> None:
+        """The file on disk is empty, NePS holds its lock."""
+        assert checked.frozen == {"frozen": 0}
+
+    @pytest.mark.parametrize("what", ["orphans", "crash_record"])
+    def test_the_check_waits_for_neps_lock_instead_of_reading_the_empty_pickle(
+        self, checked: Frozen, what: str
+    ) -> None:
+        """Before the fix, both raised EOFError here."""
+        result = checked.busy[what]
+        assert result.get("error") == "LockException", result
+        assert "optimizer.lock" in str(result["message"]), result
+
+    def test_neps_finished_its_run(self, checked: Frozen) -> None:
+        assert checked.done == {"done": True}
+        assert checked.returncode == 0
+
+    def test_afterwards_the_orphan_check_loads_the_state_and_finds_nothing(
+        self, checked: Frozen
+    ) -> None:
+        assert checked.after == {"done": []}
+
+    def test_neps_recorded_its_trials_untouched_by_the_failed_attempt(
+        self, checked: Frozen
+    ) -> None:
+        from neps.state.neps_state import NePSState
+
+        state = NePSState.create_or_load(path=checked.root, load_only=True)
+        trials = state.lock_and_read_trials()
+        assert {t.metadata.state.value for t in trials.values()} == {"success"}
+        assert len(trials) == 3

@@ -1,6 +1,6 @@
 """A stand-in for ``srun`` on one node: start N tasks with the variables SLURM gives them.
 
-    python fake_srun.py --ntasks 2 -- python search.py
+    python fake_srun.py --ntasks 2 -- python lightning_search.py --trials 3
 
 Sets what Lightning's ``SLURMEnvironment`` reads (SLURM_NTASKS, SLURM_PROCID,
 SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS_PER_NODE, SLURM_NNODES, SLURM_JOB_ID,

@@ -1,33 +1,46 @@
-"""What every rank of search.py records, and the faults it injects.
+"""What the test scripts record for tests/harness.py, kept out of the user-shaped code.
 
-Records are JSON lines, one file per process, in the scenario's record folder; the
-harness reads them back. Observers count (never replace) what NePS is asked to do:
-calls of ``neps.run`` and ``NePSState.create_or_load``, and every file this process
-opens or lists under the NePS root (an audit hook).
+A script calls ``run_script(main)`` once, decorates its evaluate function with
+``@evaluation`` and calls ``trial(trial)`` first thing in ``neps_bcast.session()``; the
+rest is automatic. Every process appends JSON lines to ``$NB_RECORD_DIR/pid<pid>.jsonl``
+and sends its stdout and stderr to ``$NB_LOG_DIR/rank<r>.pid<pid>.log``. Events:
+
+- "start" (argv, cwd, root) and "exit" (the exit code the script ends with, and this
+  process's calls into NePS and accesses under the NePS root);
+- "trial" (what this rank evaluates: trial id, rank, world size, the exact keyword
+  arguments its function got), "trained" (after training: world size, loss), "step"
+  (a model's first training step, in the process that trains it), "raised" (what the
+  rank's evaluation raised), "chdir" (the function moved to another folder);
+- "at_exit" (what a trial made that is still alive in the last atexit handler);
+- "fault", "slept", "released": tests/scripts/faults.py.
+
+Observers count (never replace) what NePS is asked to do: calls of ``neps.run`` and
+``NePSState.create_or_load``, and every file this process opens or lists under the NePS
+root (an audit hook). Test orchestration: ``NB_MEET=<folder>:<me>:<other>`` makes every
+rank touch ``<folder>/<me>`` in its first trial and wait (60 s at most) for
+``<folder>/<other>``, so that two launches overlap for sure.
 """
 
 from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import json
 import os
 import signal
 import sys
-import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: scenario.py
-
-from scenario import Scenario
-
-SCENARIO = Scenario.from_env()
-RECORD = Path(SCENARIO.record).resolve() if SCENARIO.record else None
+RECORD = Path(os.environ["NB_RECORD_DIR"]).resolve() if os.environ.get("NB_RECORD_DIR") else None
 SEQ = {"n": 0}
 """Trials this process has started evaluating (1-based once the first starts)."""
+KWARGS: dict[str, Any] = {}
+"""The keyword arguments of the evaluation in progress."""
 CALLS = {"neps.run": 0, "NePSState.create_or_load": 0}
 ROOT_ACCESS: dict[str, Any] = {"count": 0, "paths": []}
 """Opens and listings under the NePS root by this process (the first 20 paths)."""
@@ -53,11 +66,107 @@ def record(event: str, **data: Any) -> None:
         f.write(json.dumps(line, default=str) + "\n")
 
 
+def run_script(main: Callable[[], object]) -> None:
+    """Run a search script's ``main`` under the probe: own log, observers, faults armed,
+    "start" and "exit" records."""
+    import faults
+
+    log_to_own_file()
+    _observe_neps()
+    faults.install()
+    root = _root_argument()
+    record("start", argv=sys.argv, cwd=str(Path.cwd()), root=str(root.resolve()))
+    _watch(root)
+    try:
+        main()
+    except BaseException as exc:
+        _record_exit(exc)
+        raise
+    _record_exit(None)
+
+
+def evaluation(fn: Callable[..., float]) -> Callable[..., float]:
+    """Decorate an evaluate function: counts this process's trials and records what each
+    raised (the failing rank's own error, or the TrialFailedError naming it).
+    ``functools.wraps`` keeps the signature NePS reads."""
+
+    @functools.wraps(fn)
+    def evaluate(**kwargs: Any) -> float:
+        SEQ["n"] += 1
+        KWARGS.clear()
+        KWARGS.update(kwargs)
+        arm_stack_dump()
+        try:
+            return fn(**kwargs)
+        except BaseException as exc:
+            record("raised", seq=SEQ["n"], rank=my_rank(), type=type(exc).__name__, text=str(exc))
+            raise
+        finally:
+            arm_stack_dump()
+
+    return evaluate
+
+
+def trial(t: Any) -> None:
+    """First thing inside ``neps_bcast.session()``: what this rank evaluates."""
+    previous = t.previous_pipeline_directory
+    record(
+        "trial",
+        trial_id=t.id,
+        rank=t.rank,
+        world_size=t.world_size,
+        is_leader=t.is_leader,
+        kwargs=KWARGS,
+        config=t.config,
+        pipeline_directory=t.pipeline_directory,
+        previous_pipeline_directory=previous,
+        ckpt_exists=bool(previous and (Path(previous) / "last.ckpt").exists()),
+    )
+    _watch_the_channel()
+    if os.environ.get("NB_MEET") and SEQ["n"] == 1:
+        folder, me, other = os.environ["NB_MEET"].split(":")
+        (Path(folder) / me).touch()
+        deadline = time.monotonic() + 60
+        while not (Path(folder) / other).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # test orchestration only: make two launches overlap
+
+
+def trained(rank: int, loss: float) -> None:
+    import torch.distributed as dist
+
+    size = dist.get_world_size() if dist.is_initialized() else None
+    record("trained", rank=rank, world_size_after=size, loss=loss)
+
+
+STEPPED: weakref.WeakSet[Any] = weakref.WeakSet()
+"""The models whose first training step was seen."""
+
+
+def training_step(module: Any, trial_id: str) -> None:
+    """In a LightningModule's training_step: its first step, in the process that trains
+    it (under ddp_spawn: a spawned one), is recorded, and what holds the gloo group's
+    threads is watched: the group, and the DDP wrapper whose reducer holds it even once
+    the group is destroyed. (The model itself may outlive the trial harmlessly: a
+    ddp_spawn worker's arguments hold it.)"""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if module in STEPPED:
+        return
+    STEPPED.add(module)
+    record("step", trial_id=trial_id, rank=module.global_rank)
+    wrapper = module.trainer.strategy.model
+    if isinstance(wrapper, DistributedDataParallel):
+        outlives_its_trial(wrapper, "DDP wrapper")
+    if dist.is_initialized():
+        outlives_its_trial(dist.group.WORLD, "process group")
+
+
 def log_to_own_file() -> None:
     """Send this process's stdout and stderr (fds 1 and 2) to a log of its own."""
-    if not SCENARIO.log_dir:
+    if not os.environ.get("NB_LOG_DIR"):
         return
-    folder = Path(SCENARIO.log_dir)
+    folder = Path(os.environ["NB_LOG_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{my_rank()}.pid{os.getpid()}.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -80,76 +189,14 @@ def arm_stack_dump() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def fault(where: str) -> None:
-    """Inject the scenario's faults that match this point, rank and trial."""
-    for f in SCENARIO.faults:
-        if f.where != where:
-            continue
-        if f.rank is not None and f.rank != my_rank():
-            continue
-        if f.seq is not None and f.seq != SEQ["n"]:
-            continue
-        record("fault", kind=f.kind, where=where, seq=SEQ["n"], rank=my_rank())
-        if f.kind == "raise":
-            raise ValueError(f"injected failure on rank {my_rank()} at {where}")
-        if f.kind == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if f.kind == "kill_in":
-            threading.Timer(f.seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
-        if f.kind == "term":
-            os.kill(os.getpid(), signal.SIGTERM)
-        if f.kind == "int":
-            os.kill(os.getpid(), signal.SIGINT)
-        if f.kind == "int_group":
-            os.killpg(os.getpgrp(), signal.SIGINT)
-        if f.kind == "sigkill_leader":
-            os.kill(os.getppid(), signal.SIGKILL)
-        if f.kind == "sleep":
-            time.sleep(f.seconds)  # the fault itself: a slow step, observed from outside
-            record("slept", where=where, seq=SEQ["n"], rank=my_rank())
+def _root_argument() -> Path:
+    """The NePS root the script was given (``--root``), as the harness reads it too."""
+    argv = sys.argv[1:]
+    return Path(argv[argv.index("--root") + 1]) if "--root" in argv else Path("results")
 
 
-def observe_reform() -> None:
-    """Hook torch's ``init_process_group``: a "reform" fault makes forming the group for
-    trial ``seq`` fail on one rank after its peers' forming worked, leaving torch as a
-    real failure does (seen in CI: "Gloo connectFullMesh failed ... Connection closed by
-    peer" on the leader, its follower having released the new group at once): no
-    group, and c10d's group counter one up."""
-    import datetime
-
-    import torch.distributed as dist
-
-    real_init = dist.init_process_group
-    fired = []
-
-    def init(*args: Any, **kwargs: Any) -> None:
-        real_init(*args, **kwargs)  # the peers' rendezvous completes
-        matches = [f for f in SCENARIO.faults if f.where == "reform" and f.rank == my_rank()]
-        if fired or not any(f.seq == SEQ["n"] + 1 for f in matches):
-            return  # once: a rank whose forming failed did not start that trial
-        fired.append(SEQ["n"] + 1)
-        dist.destroy_process_group()
-        try:  # a rendezvous nobody else joins: fails as torch fails, counter and all
-            real_init(
-                "gloo",
-                store=dist.HashStore(),
-                rank=0,
-                world_size=2,
-                timeout=datetime.timedelta(seconds=0.5),
-            )
-        except Exception:
-            pass
-        SEQ["n"] += 1  # the trial this group is formed for
-        try:
-            fault("reform")
-        finally:
-            SEQ["n"] -= 1
-
-    dist.init_process_group = init
-
-
-def observe_neps() -> None:
-    """Count calls into NePS and hook the points faults can fire at (pass-through)."""
+def _observe_neps() -> None:
+    """Count calls of ``neps.run`` and ``NePSState.create_or_load`` (pass-through)."""
     import neps
     from neps.state import neps_state as ns
 
@@ -169,30 +216,17 @@ def observe_neps() -> None:
 
     ns.NePSState.create_or_load = classmethod(counting_col)  # type: ignore[assignment]
 
-    real_sample = ns.NePSState._sample_trial
 
-    def sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
-        fault("sample")  # the leader is choosing the next trial; its followers wait
-        return real_sample(self, *args, **kwargs)
-
-    ns.NePSState._sample_trial = sampling  # type: ignore[method-assign]
-
-    real_report = ns.NePSState._report_trial_evaluation
-
-    def reporting(self: Any, trial: Any, *args: Any, **kwargs: Any) -> Any:
-        record("recording", trial_id=trial.id, seq=SEQ["n"])
-        fault("record")
-        return real_report(self, trial, *args, **kwargs)
-
-    ns.NePSState._report_trial_evaluation = reporting  # type: ignore[method-assign]
-
-
-def watch_root(root: Path) -> None:
-    """Count this process's opens and listings under ``root`` (an audit hook)."""
+def _watch(root: Path) -> None:
+    """An audit hook: count this process's opens and listings under ``root``, and record
+    every change of directory (a user's function may move)."""
     root_str = str(root.resolve())
     prefix = root_str + os.sep
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "os.chdir":
+            record("chdir", seq=SEQ["n"], cwd=os.path.abspath(os.fsdecode(args[0])))  # noqa: PTH100
+            return
         if event not in ("open", "os.listdir", "os.scandir"):
             return
         try:
@@ -210,6 +244,17 @@ def watch_root(root: Path) -> None:
     sys.addaudithook(hook)
 
 
+def _watch_the_channel() -> None:
+    """neps_bcast's own gloo group, the control channel (no local of a trial's frame
+    may hold it: a failed trial's traceback keeps those frames)."""
+    import neps_bcast.runtime
+
+    rt = neps_bcast.runtime.active()
+    channel = getattr(rt.link.channel, "_pg", None) if rt is not None else None
+    if channel is not None:
+        outlives_its_trial(channel, "control channel")
+
+
 TRIAL_OBJECTS: list[tuple[str, weakref.ref[Any]]] = []
 """What a trial made that must be gone when the process ends (its DDP wrapper, its group)."""
 
@@ -219,8 +264,8 @@ def outlives_its_trial(obj: Any, kind: str) -> None:
 
     A trial's DDP wrapper holds the trial's process group (its reducer does, even once
     the group is destroyed); one still alive at exit is freed by the interpreter's
-    finalization, when gloo's worker threads can no longer take the GIL (SIGABRT, "terminate called without an active
-    exception"; pytorch/pytorch#190489, #179291).
+    finalization, when gloo's worker threads can no longer take the GIL (SIGABRT,
+    "terminate called without an active exception"; pytorch/pytorch#190489 and pytorch/pytorch#179291).
     """
     TRIAL_OBJECTS.append((kind, weakref.ref(obj)))
 
@@ -237,7 +282,7 @@ def _left_to_finalization() -> None:
 atexit.register(_left_to_finalization)
 
 
-def exit_code(exc: BaseException | None) -> int:
+def _exit_code(exc: BaseException | None) -> int:
     """The exit code the interpreter will end with for ``exc`` escaping main()."""
     if exc is None:
         return 0
@@ -250,8 +295,8 @@ def exit_code(exc: BaseException | None) -> int:
     return 1
 
 
-def record_exit(exc: BaseException | None) -> None:
-    code = exit_code(exc)
+def _record_exit(exc: BaseException | None) -> None:
+    code = _exit_code(exc)
     record(
         "exit",
         code=code,

@@ -19,16 +19,14 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from harness import MARKER, PYTHON, SEARCH, base_env, marked_pids, neps_trials, read_records
+from harness import LIGHTNING, MARKER, PYTHON, base_env, marked_pids, neps_trials, read_records
 from neps_bcast.compat import procfs
 from neps_bcast.recovery.lease_file import read_lease
-from scenario import ENV, Fault, Scenario
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -232,18 +230,15 @@ def test_a_requeued_job_evaluates_the_interrupted_trial_again(
     both ranks, with the same arguments, finishes the budget and ends COMPLETED."""
     root = tmp_path / "root"
     folder = tmp_path / "job"
-    scenario = Scenario(
-        trials=3,
-        root=str(root),
-        record=str(folder / "rec"),
-        log_dir=str(folder / "logs"),
-        extra_args=True,
-    )
-    # The first run's trial 2 trains for a long while on every rank, so that the requeue
-    # arrives in its middle whatever the machine's load.
-    slow = replace(scenario, faults=(Fault("sleep", rank=None, seq=2, where="fit", seconds=240),))
-    env = {**scenario.to_env(), "NB_SCENARIO_FIRST_RUN": slow.to_env()[ENV]}
-    job = cluster.submit(folder, REQUEUE_SBATCH, [PYTHON, str(SEARCH)], env)
+    env = {
+        "NB_RECORD_DIR": str(folder / "rec"),
+        "NB_LOG_DIR": str(folder / "logs"),
+        # The first run's trial 2 trains for a long while on every rank, so that the
+        # requeue arrives in its middle whatever the machine's load.
+        "NB_FAULT_FIRST_RUN": "sleep:all:trial=2:s=240",
+    }
+    search = [PYTHON, str(LIGHTNING), "--trials", "3", "--root", str(root), "--with-dirs"]
+    job = cluster.submit(folder, REQUEUE_SBATCH, search, env)
 
     job.wait_events(
         "both ranks inside trial 2's training",
