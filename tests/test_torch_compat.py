@@ -44,6 +44,15 @@ def test_peer_closed_texts_are_recognized_and_others_are_not() -> None:
     assert not tc.is_peer_closed(ValueError("injected failure"))
 
 
+def test_a_group_that_is_gone_is_a_peers_doing_only_after_neps_bcast_released_it() -> None:
+    # The user's own code using a group it never formed is the user's error (primary);
+    # after neps_bcast released this rank's group for a peer's failure, it is secondary.
+    for marker in tc.GROUP_GONE_MARKERS:
+        error = ValueError(f"Default process group has {marker}")
+        assert not tc.is_peer_closed(error)
+        assert tc.is_peer_closed(error, group_released=True)
+
+
 def test_a_failed_init_leaves_the_group_counter_up_and_reset_puts_it_back() -> None:
     """c10d names the default group by a counter that only destroy_process_group() resets:
     after a failed init there is nothing to destroy, and the next group would take

@@ -119,7 +119,10 @@ class TrialRun:
         """This rank raised: publish it, release the peers, return every known failure."""
         rt = self.rt
         record = ErrorRecord.from_exception(
-            rt.group_rank, exc, pid=os.getpid(), secondary=is_peer_closed(exc)
+            rt.group_rank,
+            exc,
+            pid=os.getpid(),
+            secondary=is_peer_closed(exc, group_released=rt.group.broken),
         )
         self.mine = record
         rt.log(logging.ERROR, "trial %s raised %s", self.message.trial_id, first_line(exc))

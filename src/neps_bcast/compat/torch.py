@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 __all__ = [
+    "GROUP_GONE_MARKERS",
     "PEER_CLOSED_MARKERS",
     "PrefixStore",
     "Store",
@@ -36,17 +37,23 @@ PEER_CLOSED_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
-    "not initialized",
-    "has been destroyed",
     "NCCL communicator was aborted",
 )
 """Texts of the errors a rank sees when a peer closed the group (gloo, c10d, NCCL)."""
+GROUP_GONE_MARKERS = ("not initialized", "has been destroyed")
+"""Texts of the errors user code sees on a group that is gone (c10d). Caused by a peer
+only when neps_bcast released this rank's group; otherwise the user's own mistake."""
 
 
-def is_peer_closed(exc: BaseException) -> bool:
-    """Was this error caused by a peer leaving the group (not a failure of its own)?"""
+def is_peer_closed(exc: BaseException, *, group_released: bool = False) -> bool:
+    """Was this error caused by a peer leaving the group (not a failure of its own)?
+
+    ``group_released``: neps_bcast took this rank's group down (a peer failed), so an
+    error about a group that is gone was caused by that too.
+    """
     text = f"{type(exc).__name__}: {exc}"
-    return any(marker in text for marker in PEER_CLOSED_MARKERS)
+    markers = PEER_CLOSED_MARKERS + (GROUP_GONE_MARKERS if group_released else ())
+    return any(marker in text for marker in markers)
 
 
 def set_bytes(store: Store, key: str, value: bytes) -> None:
