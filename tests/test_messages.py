@@ -354,3 +354,13 @@ def test_failure_text_with_only_secondary_errors_still_names_them() -> None:
     assert text.startswith("trial 4 failed on ranks 0, 1: rank 0: RuntimeError:")
     assert "traceback of rank 0" in text
     assert "traceback of rank 1" in text
+
+
+def test_a_preempted_rank_is_told_by_its_record_not_by_its_error_type_name() -> None:
+    class Terminated(Exception):  # a user's own exception that happens to share the name
+        pass
+
+    users = ErrorRecord.from_exception(1, Terminated("my own"), pid=1)
+    ours = ErrorRecord.from_exception(1, RuntimeError("SIGTERM"), pid=1, preempted=True)
+    assert (users.preempted, ours.preempted) == (False, True)
+    assert ErrorRecord.from_json(ours.to_json()) == ours

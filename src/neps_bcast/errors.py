@@ -26,14 +26,30 @@ class ErrorRecord:
     pid: int = 0
     secondary: bool = False
     """True for an error caused by another rank's failure (a peer closed the group)."""
+    preempted: bool = False
+    """True when the rank was interrupted by SIGTERM (preemption, a time limit), which is
+    no fault of the trial's config."""
 
     @classmethod
     def from_exception(
-        cls, group_rank: int, exc: BaseException, *, pid: int, secondary: bool = False
+        cls,
+        group_rank: int,
+        exc: BaseException,
+        *,
+        pid: int,
+        secondary: bool = False,
+        preempted: bool = False,
     ) -> ErrorRecord:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         return cls(
-            group_rank, type(exc).__name__, str(exc), tb, time.time(), pid=pid, secondary=secondary
+            group_rank,
+            type(exc).__name__,
+            str(exc),
+            tb,
+            time.time(),
+            pid=pid,
+            secondary=secondary,
+            preempted=preempted,
         )
 
     def headline(self) -> str:
@@ -54,6 +70,7 @@ class ErrorRecord:
             timestamp=float(_typed(raw, "timestamp", (int, float))),
             pid=_typed(raw, "pid", int),
             secondary=_typed(raw, "secondary", bool),
+            preempted=_typed(raw, "preempted", bool),
         )
 
     @classmethod

@@ -30,7 +30,6 @@ from neps_bcast.recovery import settle
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import (
-    Terminated,
     raise_waiting_sigterm,
     sigterm_raises,
     wait_with_sigterm,
@@ -163,11 +162,7 @@ def _hand_and_evaluate(
 
 def _terminated_followers(failures: list[ErrorRecord]) -> list[ErrorRecord]:
     """Followers whose own failure was a SIGTERM (``Terminated``), root causes only."""
-    return [
-        r
-        for r in failures
-        if r.group_rank != 0 and not r.secondary and r.type_name == Terminated.__name__
-    ]
+    return [r for r in failures if r.group_rank != 0 and not r.secondary and r.preempted]
 
 
 def _recover_orphans(rt: Runtime, leases: Leases) -> None:

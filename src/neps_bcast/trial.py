@@ -34,6 +34,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
+from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
 from neps_bcast.transport.store import ErrorBoard
@@ -123,6 +124,7 @@ class TrialRun:
             exc,
             pid=os.getpid(),
             secondary=is_peer_closed(exc, group_released=rt.group.broken),
+            preempted=isinstance(exc, Terminated),
         )
         self.mine = record
         rt.log(logging.ERROR, "trial %s raised %s", self.message.trial_id, first_line(exc))
