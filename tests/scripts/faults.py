@@ -18,7 +18,8 @@ separated by commas.
   ``sigterm``, ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
   sends it), ``sigkill_in`` (a thread SIGKILLs the process ``s`` seconds later),
   ``kill_parent`` (SIGKILL to the parent: a Lightning child kills its leader), ``sleep``
-  (``s`` seconds), ``hold`` (waits, 180 s at most, until the file ``until`` exists). Two
+  (``s`` seconds), ``hold`` (waits, 180 s at most, until the file ``until`` exists: a
+  path without ``:`` or ``,``). Two
   kinds are asked for by name instead of at a point: ``too_many_devices`` (``devices``:
   the Trainer asks for one device more than the group has) and ``unpicklable``
   (tests/scripts/space_tools.py: NePS builds an argument that cannot be pickled).

@@ -133,11 +133,13 @@ def evaluate(
             enable_model_summary=False,
             default_root_dir=pipeline_directory,
         )
-        previous = Path(previous_pipeline_directory or "-") / "last.ckpt"
+        checkpoint = None
+        if previous_pipeline_directory is not None:
+            checkpoint = Path(previous_pipeline_directory) / "last.ckpt"
         trainer.fit(
             Model(lr, hidden, activation, trial.id),
             *loaders(),
-            ckpt_path=previous if previous.exists() else None,
+            ckpt_path=checkpoint if checkpoint and checkpoint.exists() else None,
         )
         if pipeline_directory is not None:
             trainer.save_checkpoint(Path(pipeline_directory) / "last.ckpt")
