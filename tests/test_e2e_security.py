@@ -13,13 +13,11 @@ search serves no store at all.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-from torch._C._distributed_c10d import TCPStore
 
 from harness import (
     PYTHON,
@@ -137,13 +135,11 @@ def test_an_attacker_on_both_stores_runs_nothing_torchrun(tmp_path: Path) -> Non
     meet = (
         f"neps_bcast/meet/{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     )
-    # The leader's own store: its address is in torch's store, readable by anyone (the
-    # value is authenticated, not secret), after a 32-byte tag.
-    launcher_store = TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=30)
-    )
-    ours = [launcher_store.get(f"{meet}/leader")[32:].decode()]
-    aim(tmp_path, [rendezvous, *ours], prefixes=(meet,))
+    # The leader's own store: its port is no secret (the leader logs it; anyone can
+    # find it in /proc/net/tcp).
+    log = running.rank_logs()[running.wait_for_log("serving the control store on port")]
+    port = re.search(r"serving the control store on port (\d+)", log).group(1)  # type: ignore[union-attr]
+    aim(tmp_path, [rendezvous, f"127.0.0.1:{port}"], prefixes=(meet,))
     result = running.finish()
     report = stop_attack(tmp_path, outsider)
     assert_search_survived(result, tmp_path, report)
@@ -179,7 +175,8 @@ def test_a_rank_with_another_secret_is_refused_before_trial_1_on_every_rank(
 ) -> None:
     port = free_port()
     launches = []
-    for rank, secret in ((0, "the search's secret"), (1, "another secret")):
+    secrets = ("a1b2c3d4e5f60718" * 4, "f0e1d2c3b4a59687" * 4)  # 32 bytes each, as hex
+    for rank, secret in enumerate(secrets):
         env = {
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
@@ -194,6 +191,6 @@ def test_a_rank_with_another_secret_is_refused_before_trial_1_on_every_rank(
     for result in results:
         assert result.returncode == 1, result.tail()
         assert not result.left_alive
-        assert "NEPS_BCAST_SECRET: rank 0: " in result.log, result.tail()
+        assert "rank 1: refused the value under 'neps_bcast/leader'" in result.log, result.tail()
         assert not result.of("trial"), "a trial ran with a mismatched secret"
     assert not (tmp_path / "root" / "configs").exists() or not neps_trials(tmp_path / "root")

@@ -14,10 +14,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
+from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
 from neps_bcast.ddp.group import UserGroup, group_connections
 from neps_bcast.errors import (
-    AuthError,
     FollowerLostError,
     LeaderLostError,
     ProtocolError,
@@ -26,13 +25,11 @@ from neps_bcast.errors import (
 )
 from neps_bcast.log import logger, role_tag, tagged
 from neps_bcast.startup.launch import Launch
-from neps_bcast.transport.auth import Signer, new_secret, secret_text
+from neps_bcast.transport import peers
+from neps_bcast.transport.auth import Context, Signer, channel_context, new_secret, secret_text
 from neps_bcast.transport.channel import ChannelClosedError
 from neps_bcast.transport.link import Link
 from neps_bcast.transport.messages import Message, Report, StopMessage, TrialMessage, decode, encode
-
-_CHANNEL = "channel"
-"""Authentication context of every message on the control channel."""
 
 _ACTIVE: Runtime | None = None
 
@@ -55,6 +52,10 @@ class Runtime:
         known = launch.world_size if launch.kind == "external" else None
         self.group = UserGroup(self.group_rank, known)
         self.link = Link(self.group_rank, self.settings, self.signer)
+        self.link.peers.relatives = self._relatives
+        self.channel_seq = 0
+        """How many messages this rank has sent or received on the control channel (every
+        rank counts the same): each message's tag binds its number."""
         self._first: tuple[int, bytes] | None = None
         """Leader before its group exists: the trial Lightning's children will start with."""
         self._set_env: list[str] = []
@@ -99,12 +100,17 @@ class Runtime:
         store_port = {self.link.store.port} if self.group_rank == 0 and self.link.store else set()
 
         def connections() -> set[int]:
-            others = self.link.peers.others(self.link.store, self.world_size)
-            if len(others) < (self.world_size or 1) - 1:
-                others += self.link.peers.lightning_relatives(self.launch.kind)
+            others = self.link.peers.group(self.link.store, self.world_size)
             return group_connections(others, self.link.own, store_port)
 
         self.group.release(connections, exc)
+
+    def _relatives(self) -> list[peers.Peer]:
+        """The group as this process sees it by itself (a peer's record is missing)."""
+        launch = self.launch
+        if launch.kind == "external":
+            return peers.launch_relatives(launch.identity, launch.rank_variable, self.group_rank)
+        return peers.lightning_relatives(launch.kind)
 
     def next_generation(self) -> int | None:
         """Leader: the generation the next trial forms the group as (None: keep it)."""
@@ -138,10 +144,12 @@ class Runtime:
         if self._first is None or self.link.channel is not None:
             return
         seq, payload = self._first
+        address, trial_file = self.link.leave_trial_for_children(seq, payload)
         env = {
-            ENV_LEADER: self.link.leave_trial_for_children(seq, payload),
+            ENV_LEADER: address,
             ENV_FIRST_SEQ: str(seq),
-            ENV_CHILD_SECRET: secret_text(self.signer.secret),
+            ENV_FIRST_TRIAL: trial_file,
+            ENV_CHILD_SECRET: f"{secret_text(self.signer.secret)}.{self.signer.search.hex()}",
         }
         os.environ.update(env)
         self._set_env = list(env)
@@ -149,15 +157,25 @@ class Runtime:
     def _forget_children_env(self) -> None:
         for name in self._set_env:
             os.environ.pop(name, None)
+        if self._set_env:
+            self.link.forget_trial()
         self._set_env = []
+
+    def _channel_context(self, kind: str, sender: int) -> Context:
+        """What the tag of the next control-channel message binds (``channel_context``)."""
+        return channel_context(
+            kind, sender=sender, seq=self.channel_seq, generation=self.group.generation
+        )
 
     def send(self, message: Message) -> None:
         """Leader: hand a message to every follower (first contact or broadcast)."""
         payload = encode(message, tag=self.tag)
         if self.ensure_channel():
             assert self.link.channel is not None
+            context = self._channel_context("leader", 0)
+            self.channel_seq += 1
             try:
-                self.link.channel.broadcast(self.signer.sign(_CHANNEL, payload))
+                self.link.channel.broadcast(self.signer.sign(context, payload))
             except ChannelClosedError as exc:
                 raise self.lost(exc) from exc
         elif isinstance(message, TrialMessage):
@@ -174,23 +192,21 @@ class Runtime:
                 )
             )
         assert self.link.channel is not None
+        context = self._channel_context("leader", 0)
+        self.channel_seq += 1
         try:
             payload = self.link.channel.broadcast(None)
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
-        return _expect_order(decode(self.signer.open(_CHANNEL, payload), tag=self.tag), self.tag)
+        return _expect_order(decode(self.signer.open(context, payload), tag=self.tag), self.tag)
 
     def first_contact(self) -> TrialMessage:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
         assert self.launch.leader_store is not None
         assert self.launch.first_seq is not None
+        assert self.launch.first_trial is not None
         self.link.connect(self.launch.leader_store)
-        try:
-            payload = self.link.trial_left_by_leader(self.launch.first_seq)
-        except AuthError:
-            raise
-        except Exception as exc:
-            raise self.lost(exc) from exc
+        payload = self.link.trial_left_by_leader(self.launch.first_seq, self.launch.first_trial)
         message = _expect_order(decode(payload, tag=self.tag), self.tag)
         if not isinstance(message, TrialMessage):
             raise ProtocolError(format_message(self.tag, "expected a trial, got a stop."))
@@ -201,13 +217,18 @@ class Runtime:
         if not self.ensure_channel():
             return None
         assert self.link.channel is not None
+        # Slot r of the gather is rank r's report: its tag must say rank r sent it.
+        contexts = [self._channel_context("report", r) for r in range(self.link.channel.world_size)]
+        self.channel_seq += 1
+        payload = self.signer.sign(contexts[self.group_rank], encode(report, tag=self.tag))
         try:
-            raw = self.link.channel.allgather(
-                self.signer.sign(_CHANNEL, encode(report, tag=self.tag))
-            )
+            raw = self.link.channel.allgather(payload)
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
-        reports = [decode(self.signer.open(_CHANNEL, r), tag=self.tag) for r in raw]
+        reports = [
+            decode(self.signer.open(context, signed), tag=self.tag)
+            for context, signed in zip(contexts, raw, strict=True)
+        ]
         typed = [r for r in reports if isinstance(r, Report)]
         if len(typed) != len(reports):
             raise ProtocolError(format_message(self.tag, "a rank sent a non-report."))
@@ -231,8 +252,10 @@ class Runtime:
     def say_goodbye(self) -> None:
         """Leader and followers at STOP: the leader exits only after every goodbye."""
         if self.link.channel is not None:
+            context = self._channel_context("bye", self.group_rank)
+            self.channel_seq += 1
             try:
-                self.link.channel.allgather(self.signer.sign(_CHANNEL, b"bye"))
+                self.link.channel.allgather(self.signer.sign(context, b"bye"))
             except ChannelClosedError:
                 self.log(logging.DEBUG, "a peer left before saying goodbye")
 
