@@ -53,10 +53,6 @@ class Keys:
         return f"{PREFIX}/err/{seq}/{group_rank}"
 
     @staticmethod
-    def error_count(seq: int) -> str:
-        return f"{PREFIX}/err/{seq}/n"
-
-    @staticmethod
     def released(group_rank: int) -> str:
         """Set when a follower's leader watch must end quietly (see ``watchdog``)."""
         return f"{PREFIX}/watch/released/{group_rank}"
@@ -129,8 +125,10 @@ def take_json(store: Store, signer: Signer, key: str, *, sender: int) -> object:
 class ErrorBoard:
     """Each rank's failure of a trial, published before the group is released.
 
-    A rank that failed writes its record, then counts itself in (``add`` is a round
-    trip, so the record has landed); any rank reads every record of the trial.
+    A rank that failed writes its record, then checks that it is there (``check`` is a
+    round trip, so the record has landed); any rank reads every record of the trial.
+    No counter: ``add`` on a key an outsider set to something that is not a number makes
+    the store drop the connection, which would cut a follower off its leader.
     """
 
     def __init__(self, store: Store, signer: Signer) -> None:
@@ -140,11 +138,9 @@ class ErrorBoard:
     def publish(self, seq: int, record: ErrorRecord) -> None:
         key = Keys.error(seq, record.group_rank)
         put(self.store, self.signer, key, record.to_json(), sender=record.group_rank, seq=seq)
-        self.store.add(Keys.error_count(seq), 1)
+        self.store.check([key])  # a round trip: the record has landed
 
     def read(self, seq: int, world_size: int) -> list[ErrorRecord]:
-        if self.store.add(Keys.error_count(seq), 0) == 0:
-            return []
         found = []
         for group_rank in range(world_size):
             key = Keys.error(seq, group_rank)
