@@ -148,6 +148,20 @@ def test_the_error_board_refuses_forged_and_replayed_records_and_says_so(
     assert "'neps_bcast/err/3/3'" in refused[2]
 
 
+def test_the_error_board_refuses_a_tagged_value_that_is_no_record(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = tc.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    key = store.Keys.error(2, 1)
+    tc.set_bytes(server, key, SIGNER.sign(Context(key, 1, 2), b'{"not": "a record"}'))
+    with caplog.at_level(logging.ERROR, logger="neps_bcast"):
+        assert store.ErrorBoard(server, SIGNER).read(2, 2) == []
+    assert any(
+        "refused the error record under 'neps_bcast/err/2/1': not a record" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+
+
 def test_a_store_served_on_loopback_listens_on_loopback_only() -> None:
     import datetime
 

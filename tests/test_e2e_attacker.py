@@ -161,6 +161,7 @@ class TestTorchrunWithoutASecretWhenTheOutsiderTookThePrivateFolder:
         error = str(attacked.result.of("exit")[0]["error"])
         assert "it is owned by uid 65534 (nobody)" in error, error
         assert "NEPS_BCAST_SECRET" in error
+        assert "rank 1: the leader could not start the search (see rank 0's refusal)" in error
 
     def test_no_pickle_of_the_outsider_ran(self, attacked: o.Attack) -> None:
         o.assert_no_pickle_of_the_outsider_ran(attacked)

@@ -19,7 +19,7 @@ import pytest
 from harness import PYTHON, SCRIPTS, base_env
 
 SCRIPT = SCRIPTS / "handshake_ranks.py"
-CASES = 7
+CASES = 9
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +122,39 @@ def test_without_a_secret_one_host_agrees_through_the_private_file(
     assert "error" not in plain[0] and "error" not in plain[1], plain
     assert plain[0]["key"] == plain[1]["key"]
     assert plain[0]["key"] != outcomes["first"][0]["key"]  # the leader made a new one
+
+
+def test_ranks_on_other_hosts_when_the_launch_says_one_node_fail_on_every_rank(
+    outcomes: dict[str, Any],
+) -> None:
+    for error in both_failed(outcomes["one node, two hosts"]):
+        assert error.startswith("LaunchError: [neps_bcast rank "), error
+        assert (
+            "the launcher's variables put every rank on this node, but the ranks report"
+            " different hosts (rank 0: " in error
+        ), error
+        assert "rank 1: elsewhere). HINT: check the launch" in error
+
+
+def test_several_hosts_without_a_secret_warn_on_every_rank(outcomes: dict[str, Any]) -> None:
+    spread = outcomes["several hosts, no secret"]
+    assert "error" not in spread[0] and "error" not in spread[1], spread
+    assert spread[0]["key"] == spread[1]["key"]
+    assert spread[0]["loopback"] is False  # the leader's store listens on every interface
+    for rank in (0, 1):
+        assert any(
+            "this group spans 2 hosts and NEPS_BCAST_SECRET is not set" in w and "in the clear" in w
+            for w in spread[rank]["warnings"]
+        ), spread[rank]["warnings"]
+    # The positive control: one host without a secret does not warn.
+    assert outcomes["no secret, one host"][0]["warnings"] == []
+
+
+def test_an_oversized_or_unreadable_record_from_the_group_is_an_error() -> None:
+    from neps_bcast.errors import LaunchError
+    from neps_bcast.startup import handshake
+
+    with pytest.raises(LaunchError, match=r"a rank sent a startup record of 2000000 bytes"):
+        handshake._checked_size(2_000_000, "neps_bcast rank 1/2 follower")
+    with pytest.raises(LaunchError, match=r"cannot read the leader's record sent over the group"):
+        handshake._json(b"\x80not json", "the leader's record", "neps_bcast rank 1/2 follower")

@@ -100,6 +100,38 @@ def test_a_lock_file_of_another_user_is_refused(
         fcntl.lockf(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_a_fifo_planted_as_the_lock_file_is_refused_at_once(tmp_path: Path, lock_kind: str) -> None:
+    """A FIFO would block the open (waiting for its other end): O_NONBLOCK, then refused."""
+    lock = tmp_path / ".root.neps_bcast.lock"
+    os.mkfifo(lock, 0o666)
+    with pytest.raises(AuthError) as refused:
+        RootGuard(tmp_path / "root", timeout_s=5).acquire()
+    observed = "it is a FIFO or a socket" if lock_kind == "lockf" else "it is not a regular file"
+    assert f"refused the root's lock file {lock}: {observed}" in str(refused.value)
+
+
+def test_a_lock_file_this_user_may_not_open_is_refused_naming_its_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = tmp_path / ".root.neps_bcast.lock"
+    lock.touch()
+    real_open = os.open
+
+    def denied(path: object, *args: object, **kwargs: object) -> int:
+        if Path(str(path)) == lock:
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", denied)
+    with pytest.raises(AuthError) as refused:
+        RootGuard(tmp_path / "root", timeout_s=5).acquire()
+    owner = private.user_name(lock.stat().st_uid)
+    assert (
+        f"refused the root's lock file {lock}: this user may not open it (owned by {owner})"
+        in str(refused.value)
+    )
+
+
 def test_the_private_directory_is_made_owner_only_and_its_files_too(tmp_path: Path) -> None:
     path = tmp_path / "neps_bcast-test"
     with private.opened(path, create=True) as folder:

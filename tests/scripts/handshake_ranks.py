@@ -13,7 +13,9 @@ rank raises at the same point.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -51,8 +53,30 @@ handshake.broadcast = recording_broadcast  # type: ignore[assignment]
 CASE: dict[str, str] = {"name": ""}
 
 
-def one_case(name: str, secret: str | None, root: str = "root") -> dict[str, Any]:
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record.getMessage())
+
+
+def one_case(
+    name: str,
+    secret: str | None,
+    root: str = "root",
+    *,
+    host: str | None = None,
+    single_node: bool | None = True,
+) -> dict[str, Any]:
+    """One handshake; ``host``: the name this rank reports (another host, as it were)."""
     CASE["name"] = name
+    real_hostname = socket.gethostname
+    if host is not None:
+        socket.gethostname = lambda: host  # type: ignore[assignment]
+    warnings = Warnings()
+    logging.getLogger("neps_bcast").addHandler(warnings)
     if secret is None:
         os.environ.pop("NEPS_BCAST_SECRET", None)
     else:
@@ -68,7 +92,7 @@ def one_case(name: str, secret: str | None, root: str = "root") -> dict[str, Any
         main_port=1,
         identity=(("NB_HANDSHAKE_CASE", name),),
         rank_variable="RANK",
-        is_single_node=True,
+        is_single_node=single_node,
     )
     signer = Signer(new_secret())
     link = Link(RANK, Settings(), signer)
@@ -83,6 +107,10 @@ def one_case(name: str, secret: str | None, root: str = "root") -> dict[str, Any
         outcome["key"] = signer.secret.hex()
         outcome["connected"] = link.store is not None
         outcome["loopback"] = link.loopback
+    finally:
+        socket.gethostname = real_hostname  # type: ignore[assignment]
+        logging.getLogger("neps_bcast").removeHandler(warnings)
+    outcome["warnings"] = warnings.seen
     return outcome
 
 
@@ -97,6 +125,13 @@ def main() -> None:
         one_case("weak secret", "the search's secret" if RANK == 1 else SECRET),
         one_case("different arguments", SECRET, root="root" if RANK == 0 else "elsewhere"),
         one_case("no secret, one host", None),
+        one_case("one node, two hosts", SECRET, host="elsewhere" if RANK == 1 else None),
+        one_case(
+            "several hosts, no secret",
+            None,
+            host="elsewhere" if RANK == 1 else None,
+            single_node=None,
+        ),
     ]
     for outcome in cases:
         print(json.dumps(outcome), flush=True)

@@ -26,11 +26,12 @@ with ``neps_bcast.run``. The lock is the kind NePS itself locks its state with
 The lock file sits in a directory other users may be able to write (the root's parent),
 so it is opened no wider than the lock needs and never through a link:
 ``O_WRONLY | O_CREAT | O_NOFOLLOW`` for ``lockf`` (which needs a descriptor open for
-writing), ``O_RDONLY | O_CREAT | O_NOFOLLOW`` for ``flock``, mode 0600 when created; then
-``fstat`` on the descriptor must show a regular file of this user's. A symbolic link or
-a file of another user (who could hold the lock to keep this search from starting) is
-refused with an error naming its owner and what to do. Nothing is read from or written
-to the file.
+writing), ``O_RDONLY | O_CREAT | O_NOFOLLOW`` for ``flock``, both ``O_NONBLOCK`` (a
+planted FIFO cannot hold the open), mode 0600 when created; then ``fstat`` on the
+descriptor must show a regular file of this user's. A symbolic link, a FIFO or a file
+of another user (who could hold the lock to keep this search from starting) is refused
+with an error naming its owner and what to do. Nothing is read from or written to the
+file.
 """
 
 from __future__ import annotations

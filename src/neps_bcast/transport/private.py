@@ -90,13 +90,18 @@ def check_mine(
 def open_nofollow(
     path: Path | str, flags: int, mode: int, *, hint: str, kind: str, label: str = ""
 ) -> int:
-    """``os.open`` with ``O_NOFOLLOW``; a link or a forbidden file is refused."""
+    """``os.open`` with ``O_NOFOLLOW``; a link or a forbidden file is refused.
+
+    ``O_NONBLOCK`` too: opening a FIFO someone planted there must not wait for a writer
+    or a reader (``fstat`` then refuses it); it changes nothing for a regular file."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             what = f"it is a symbolic link{_link_target(path)}"
             raise refuse(path, what, kind, hint, label) from None
+        if exc.errno == errno.ENXIO:
+            raise refuse(path, "it is a FIFO or a socket", kind, hint, label) from None
         if exc.errno in (errno.EACCES, errno.EPERM):
             what = f"this user may not open it{_owner(path)}"
             raise refuse(path, what, kind, hint, label) from None
@@ -173,7 +178,8 @@ class PrivateDir:
         path = self.file(name)
         expected = f"a regular file of {me()} with mode 0600"
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=self.fd)
         except FileNotFoundError:
             raise refuse(path, "it does not exist", expected, hint, label) from None
         except OSError as exc:
