@@ -154,9 +154,6 @@ class Outsider:
         assert isinstance(writes, dict)
         keys = [str(k) for k in store.list_keys()]
         self.keys_seen.update(keys)
-        for key in keys:
-            if is_ours_to_attack(key) and not key.endswith("/n"):
-                self.record(store, key)
         meetings = {m.group(1) for k in keys if (m := MEETING.match(k))}
         if self.args.replay:
             for key, values in self.replay.items():
@@ -176,10 +173,31 @@ class Outsider:
             store.set(f"{meeting}/secret", self.secret.hex())
             store.set(f"{meeting}/leader", self.forged_leader)  # type: ignore[arg-type]
         for name in names:
-            store.set(name, self.bomb)  # type: ignore[arg-type]
+            self.plant(store, name)
             if name.startswith("neps_bcast/err/"):
                 store.add(name.rsplit("/", 1)[0] + "/n", 1)
         writes[address] = int(writes.get(address, 0)) + len(names)
+
+    def plant(self, store: TCPStore, key: str) -> None:
+        """Record the genuine value under ``key`` (if any), then put the pickle there,
+        atomically (``compare_set``): a genuine value written in between is recorded
+        and overwritten next round, never lost to the recording."""
+        current = b""
+        try:
+            if store.check([key]):
+                current = store.get(key)
+        except Exception:
+            current = b""
+        self.keep(key, current)
+        found = store.compare_set(key, current, self.bomb)  # type: ignore[arg-type]
+        self.keep(key, found)
+
+    def keep(self, key: str, value: bytes) -> None:
+        if not value or value in self.ours:
+            return
+        values = self.recorded.setdefault(key, [])
+        if value.hex() not in values:
+            values.append(value.hex())
 
     @staticmethod
     def replayed_keys(key: str, meetings: set[str]) -> list[str]:
@@ -189,17 +207,6 @@ class Outsider:
             return [key]
         rest = key[len(found.group(1)) :]
         return [key] + [meeting + rest for meeting in meetings]
-
-    def record(self, store: TCPStore, key: str) -> None:
-        try:
-            value = store.get(key)
-        except Exception:
-            return
-        if value in self.ours:
-            return
-        values = self.recorded.setdefault(key, [])
-        if value.hex() not in values:
-            values.append(value.hex())
 
     def run(self) -> None:
         deadline = time.monotonic() + self.args.seconds
