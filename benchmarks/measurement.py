@@ -363,16 +363,17 @@ def alternating(run_index: int) -> tuple[str, ...]:
 def measure_auth(repetitions: int = 2000) -> Record:
     """What authenticating one trial message costs: the leader tags it, a follower checks
     the tag, for a 1 KB trial, in this process (no launch needed)."""
-    from neps_bcast.transport.auth import Signer, new_secret
+    from neps_bcast.transport.auth import Signer, channel_context, new_nonce, new_secret
     from neps_bcast.transport.messages import TrialMessage, encode
 
-    signer = Signer(new_secret())
+    signer = Signer(new_secret(), new_nonce())
     message = TrialMessage(1, "1", {"x": 0.5, "payload": "p" * 1000}, None, None)
     payload = encode(message, tag="bench")
     samples = []
-    for _ in range(repetitions):
+    for seq in range(repetitions):
         start = time.perf_counter()
-        signer.open("channel", signer.sign("channel", payload))
+        context = channel_context("leader", sender=0, seq=seq, generation=0)
+        signer.open(context, signer.sign(context, payload))
         samples.append(time.perf_counter() - start)
     samples.sort()
     return {"bytes": len(payload), "median_us": samples[len(samples) // 2] * 1e6}

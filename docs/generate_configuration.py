@@ -105,9 +105,9 @@ def render() -> str:
             _row(
                 secret,
                 None,
-                "the search's secret: any long random string, the same on every rank; every"
-                " value a rank reads from a store or the control channel must carry a tag"
-                " made with it. Set it for launches that span several hosts"
+                "the search's secret: at least 32 random bytes (64 hex characters), the same"
+                " on every rank; every value a rank reads from a store or the control channel"
+                " must carry a tag made with it. Set it for launches that span several hosts"
                 " (default: the leader makes one per search)",
             )
         )
@@ -128,9 +128,9 @@ def render() -> str:
             f"Internal, never set them by hand: {listed}.",
             "",
             "The leader sets them for Lightning's children just before Lightning starts them",
-            "(its store's address, the trial to start with, the search's secret) and removes",
-            "them once the children have joined, so the user's own subprocesses do not",
-            "inherit them.",
+            "(its store's address, the trial to start with and the private file holding it,",
+            "the search's secret and identity) and removes them once the children have",
+            "joined, so the user's own subprocesses do not inherit them.",
         ]
     return "\n".join(lines) + "\n"
 

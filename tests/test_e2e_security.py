@@ -13,15 +13,14 @@ search serves no store at all.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from torch._C._distributed_c10d import TCPStore
 
 from harness import (
     LIGHTNING,
@@ -188,15 +187,12 @@ class TestAnAttackerOnBothStoresRunsNothingTorchrun(SurvivesTheAttack):
             rendezvous = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
             run_id = env["TORCHELASTIC_RUN_ID"]
             meet = f"neps_bcast/meet/{run_id}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-            # The leader's own store: its address is in torch's store, readable by anyone
-            # (the value is authenticated, not secret), after a 32-byte tag.
-            launcher_store = TCPStore(
-                env["MASTER_ADDR"],
-                int(env["MASTER_PORT"]),
-                is_master=False,
-                timeout=timedelta(seconds=30),
-            )
-            ours = [launcher_store.get(f"{meet}/leader")[32:].decode()]
+            # The leader's own store: its port is no secret (the leader logs it; anyone
+            # can find it in /proc/net/tcp).
+            log = running.rank_logs()[running.wait_for_log("serving the control store on port")]
+            found = re.search(r"serving the control store on port (\d+)", log)
+            assert found is not None, log
+            ours = [f"127.0.0.1:{found.group(1)}"]
             outsider.aim([rendezvous, *ours], prefixes=(meet,))
             launch = running.finish()
             report = outsider.stop()
@@ -253,7 +249,8 @@ class TestARankWithAnotherSecretIsRefusedBeforeTrial1OnEveryRank:
         tmp = tmp_path_factory.mktemp("secrets")
         port = free_port()
         running = {}
-        for rank, secret in ((0, "the search's secret"), (1, "another secret")):
+        secrets = ("a1b2c3d4e5f60718" * 4, "f0e1d2c3b4a59687" * 4)  # 32 bytes each, as hex
+        for rank, secret in enumerate(secrets):
             env = {
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
@@ -277,7 +274,7 @@ class TestARankWithAnotherSecretIsRefusedBeforeTrial1OnEveryRank:
     @pytest.mark.parametrize("rank", [0, 1])
     def test_the_rank_names_the_mismatched_secret(self, secrets: Secrets, rank: int) -> None:
         launch = secrets.launches[rank]
-        assert "NEPS_BCAST_SECRET: rank 0: " in launch.log, launch.tail()
+        assert "rank 1: refused the value under 'neps_bcast/leader'" in launch.log, launch.tail()
 
     @pytest.mark.parametrize("rank", [0, 1])
     def test_the_rank_evaluated_no_trial(self, secrets: Secrets, rank: int) -> None:

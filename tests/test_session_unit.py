@@ -36,9 +36,10 @@ from neps_bcast.errors import (
 )
 from neps_bcast.follower import follow
 from neps_bcast.startup.launch import Launch
-from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.auth import Signer, channel_context
 from neps_bcast.transport.channel import Channel, ChannelClosedError
 from neps_bcast.transport.messages import Phase, Report, StopMessage, TrialMessage, decode
+from neps_bcast.transport.steps import KIND
 from neps_bcast.trial import TrialRun
 
 
@@ -202,7 +203,8 @@ class FakeGroup:
         self._count = [0] * size
         self._slots: dict[int, dict[int, tuple[str, bytes | None]]] = {}
         self.closed: set[int] = set()
-        self.ops: list[tuple[int, str, Any]] = []
+        self.ops: list[tuple[int, str, Any, int]] = []
+        """(rank, kind, payload, the collective's number) of every payload sent."""
         self.hangs: list[str] = []
         self.misuse: list[str] = []
 
@@ -216,7 +218,7 @@ class FakeGroup:
             slot = self._slots.setdefault(index, {})
             slot[rank] = (kind, payload)
             if payload is not None:
-                self.ops.append((rank, kind, payload))
+                self.ops.append((rank, kind, payload, index))
             self._cond.notify_all()
 
             def settled() -> bool:
@@ -244,9 +246,11 @@ class FakeGroup:
             self._cond.notify_all()
 
     def messages(self, rank: int, kind: str) -> list[Any]:
+        # Each payload opens only as its sender's message number `index` of the channel
+        # (the fake never re-forms the group: generation 0).
         opened = [
-            Signer(SECRET).open("channel", p)
-            for r, k, p in self.ops
+            Signer(SECRET).open(channel_context(KIND, sender=rank, seq=index, generation=0), p)
+            for r, k, p, index in self.ops
             if r == rank and k == kind and p is not None
         ]
         return [decode(p, tag="test") for p in opened]

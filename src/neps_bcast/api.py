@@ -17,11 +17,12 @@ from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import NepsBcastError, format_message
 from neps_bcast.follower import run_follower
+from neps_bcast.log import role_tag
 from neps_bcast.runtime import Runtime, active
 from neps_bcast.startup import external
 from neps_bcast.startup.launch import Launch, detect
 from neps_bcast.startup.rendezvous import fingerprint
-from neps_bcast.transport.auth import Signer, new_secret, secret_from_env
+from neps_bcast.transport.auth import Signer, new_nonce, new_secret, secret_from_env
 
 
 def run(
@@ -57,11 +58,8 @@ def run(
                 fingerprint(evaluate_pipeline, pipeline_space, kwargs),
             )
             rt.owns_group = started.owns_group
-            try:
-                rt.observe_group()
-                rt.ensure_channel()
-            finally:
-                started.forget_secret()  # every rank has joined: each has read the secret
+            rt.observe_group()
+            rt.ensure_channel()
             try:
                 if rt.group_rank == 0:
                     leader.lead(rt, fn, pipeline_space, kwargs)
@@ -73,13 +71,18 @@ def run(
 
 
 def _signer(launch: Launch) -> Signer:
-    """The search's secret as far as this process knows it at start (see ``auth``)."""
+    """The search's secret and identity as far as this process knows them at start
+    (see ``auth``): an external launch agrees on both when its ranks meet."""
     if launch.kind == "lightning_child":
         assert launch.child_secret is not None  # detect() refuses a child without one
         for name in INTERNAL:  # the user's own subprocesses must not inherit them
             os.environ.pop(name, None)
-        return Signer(bytes.fromhex(launch.child_secret))
-    return Signer(secret_from_env() or new_secret())
+        key, _, search = launch.child_secret.partition(".")
+        return Signer(bytes.fromhex(key), bytes.fromhex(search))
+    if launch.kind == "external":
+        return Signer(new_secret())
+    tag = role_tag(launch.global_rank, launch.world_size)
+    return Signer(secret_from_env(tag=tag) or new_secret(), new_nonce())
 
 
 def _prepare_children() -> None:

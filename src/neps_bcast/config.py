@@ -19,9 +19,12 @@ ENV_LEADER = "NEPS_BCAST_LEADER"
 """Internal: ``host:port`` of the leader's store, set by the leader for Lightning's children."""
 ENV_FIRST_SEQ = "NEPS_BCAST_FIRST_SEQ"
 """Internal: sequence number of the trial a Lightning child evaluates first."""
+ENV_FIRST_TRIAL = "NEPS_BCAST_FIRST_TRIAL"
+"""Internal: the private file holding the trial a Lightning child evaluates first."""
 ENV_CHILD_SECRET = "NEPS_BCAST_CHILD_SECRET"  # noqa: S105 - a variable name, not a secret
-"""Internal: the search's secret, for Lightning's children only (removed once they joined)."""
-INTERNAL = (ENV_LEADER, ENV_FIRST_SEQ, ENV_CHILD_SECRET)
+"""Internal: the search's secret and identity (``<key hex>.<search hex>``), for
+Lightning's children only (removed once they joined)."""
+INTERNAL = (ENV_LEADER, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_CHILD_SECRET)
 
 
 Kind = Literal["seconds", "count", "text"]

@@ -15,10 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER, Settings
+from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
 from neps_bcast.ddp.group import UserGroup, group_connections
 from neps_bcast.errors import (
-    AuthError,
     FollowerLostError,
     LeaderLostError,
     ProtocolError,
@@ -27,6 +26,7 @@ from neps_bcast.errors import (
 )
 from neps_bcast.log import logger, role_tag, tagged
 from neps_bcast.startup.launch import Launch
+from neps_bcast.transport import peers
 from neps_bcast.transport.auth import Signer, new_secret, secret_text
 from neps_bcast.transport.channel import Channel, ChannelClosedError
 from neps_bcast.transport.link import Link
@@ -62,11 +62,12 @@ class Runtime:
         known = launch.world_size if launch.kind == "external" else None
         self.group = UserGroup(self.group_rank, known)
         self.link = Link(self.group_rank, self.settings, self.signer)
+        self.link.peers.relatives = self._relatives
         self._first: tuple[int, bytes] | None = None
         """Leader before its group exists: the trial Lightning's children will start with."""
         self._set_env: list[str] = []
         self.seq = 0
-        self.steps = Steps(self.group_rank, self.signer)
+        self.steps = Steps(self.group_rank, self.signer, lambda: self.group.generation)
         self.owns_group = False
         self.settled = threading.Event()
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
@@ -107,12 +108,17 @@ class Runtime:
         store_port = {self.link.store.port} if self.group_rank == 0 and self.link.store else set()
 
         def connections() -> set[int]:
-            others = self.link.peers.others(self.link.store, self.world_size)
-            if len(others) < (self.world_size or 1) - 1:
-                others += self.link.peers.lightning_relatives(self.launch.kind)
+            others = self.link.peers.group(self.link.store, self.world_size)
             return group_connections(others, self.link.own, store_port)
 
         self.group.release(connections, exc)
+
+    def _relatives(self) -> list[peers.Peer]:
+        """The group as this process sees it by itself (a peer's record is missing)."""
+        launch = self.launch
+        if launch.kind == "external":
+            return peers.launch_relatives(launch.identity, launch.rank_variable, self.group_rank)
+        return peers.lightning_relatives(launch.kind)
 
     def next_generation(self) -> int | None:
         """Leader: the generation the next trial forms the group as (None: keep it)."""
@@ -146,10 +152,12 @@ class Runtime:
         if self._first is None or self.link.channel is not None:
             return
         seq, payload = self._first
+        address, trial_file = self.link.leave_trial_for_children(seq, payload)
         env = {
-            ENV_LEADER: self.link.leave_trial_for_children(seq, payload),
+            ENV_LEADER: address,
             ENV_FIRST_SEQ: str(seq),
-            ENV_CHILD_SECRET: secret_text(self.signer.secret),
+            ENV_FIRST_TRIAL: trial_file,
+            ENV_CHILD_SECRET: f"{secret_text(self.signer.secret)}.{self.signer.search.hex()}",
         }
         os.environ.update(env)
         self._set_env = list(env)
@@ -157,6 +165,8 @@ class Runtime:
     def _forget_children_env(self) -> None:
         for name in self._set_env:
             os.environ.pop(name, None)
+        if self._set_env:
+            self.link.forget_trial()
         self._set_env = []
 
     def _on_channel(self, step: Callable[[Channel], _T]) -> _T:
@@ -191,13 +201,9 @@ class Runtime:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
         assert self.launch.leader_store is not None
         assert self.launch.first_seq is not None
+        assert self.launch.first_trial is not None
         self.link.connect(self.launch.leader_store)
-        try:
-            payload = self.link.trial_left_by_leader(self.launch.first_seq)
-        except AuthError:
-            raise
-        except Exception as exc:
-            raise self.lost(exc) from exc
+        payload = self.link.trial_left_by_leader(self.launch.first_seq, self.launch.first_trial)
         message = _expect_order(decode(payload, tag=self.tag), self.tag)
         if not isinstance(message, TrialMessage):
             raise ProtocolError(format_message(self.tag, "expected a trial, got a stop."))

@@ -67,6 +67,14 @@ def is_alive(pid: int) -> bool:
     return stat is not None and not stat.is_zombie
 
 
+def owner(pid: int) -> int | None:
+    """The uid that owns the process, or None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid
+    except OSError:
+        return None
+
+
 def all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]  # noqa: PTH208
 

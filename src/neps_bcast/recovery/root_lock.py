@@ -21,9 +21,17 @@ instead of comparing pickles. A space that really differs is passed on unchanged
 NePS's own error explains it. Only neps_bcast leaders take this lock: start every worker
 with ``neps_bcast.run``. The lock is the kind NePS itself locks its state with
 (``neps_compat.lock_kind``: ``lockf`` unless ``NEPS_LINUX_FILELOCK_FUNCTION`` says
-``flock``), so it works wherever NePS's own locking works (NFS, Lustre); the lock file is
-created owner-only (0600), opened for writing only because ``lockf`` needs it (read-only
-with ``flock``).
+``flock``), so it works wherever NePS's own locking works (NFS, Lustre).
+
+The lock file sits in a directory other users may be able to write (the root's parent),
+so it is opened no wider than the lock needs and never through a link:
+``O_WRONLY | O_CREAT | O_NOFOLLOW`` for ``lockf`` (which needs a descriptor open for
+writing), ``O_RDONLY | O_CREAT | O_NOFOLLOW`` for ``flock``, both ``O_NONBLOCK`` (a
+planted FIFO cannot hold the open), mode 0600 when created; then ``fstat`` on the
+descriptor must show a regular file of this user's. A symbolic link, a FIFO or a file
+of another user (who could hold the lock to keep this search from starting) is refused
+with an error naming its owner and what to do. Nothing is read from or written to the
+file.
 """
 
 from __future__ import annotations
@@ -33,11 +41,18 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.log import logger, rank_tag
+from neps_bcast.transport import private
+
+LOCK_HINT = (
+    "if you did not make it, another user did (a lock file of theirs can keep this search"
+    " from starting): remove it (rm {path}) and keep the NePS root in a directory only you"
+    " can write."
+)
 
 
 class RootGuard:
@@ -45,17 +60,33 @@ class RootGuard:
         self.root = Path(root_directory)
         self.lock_path = self.root.parent / f".{self.root.name}.neps_bcast.lock"
         self.timeout_s = timeout_s
-        self._file: IO[bytes] | None = None
+        self._file: int | None = None
         self._kind = "lockf"
+
+    def open_lock_file(self) -> int:
+        """The lock file's descriptor, opened as the module docstring says (checked)."""
+        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
+        # An exclusive lockf needs a descriptor open for writing, flock does not.
+        self._kind = neps_compat.lock_kind()
+        access = os.O_WRONLY if self._kind == "lockf" else os.O_RDONLY
+        hint = LOCK_HINT.format(path=self.lock_path)
+        expected = "a regular file of this user's"
+        label = "the root's lock file"
+        fd = private.open_nofollow(
+            self.lock_path, access | os.O_CREAT, 0o600, hint=hint, kind=expected, label=label
+        )
+        try:
+            private.check_mine(
+                fd, self.lock_path, directory=False, hint=hint, private=False, label=label
+            )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def acquire(self) -> None:
         timeout = self.timeout_s
-        self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        # Owner-only; an exclusive lockf needs a descriptor open for writing, flock does not.
-        self._kind = neps_compat.lock_kind()
-        mode = os.O_RDWR if self._kind == "lockf" else os.O_RDONLY
-        fd = os.open(self.lock_path, mode | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        handle = os.fdopen(fd, "r+b" if self._kind == "lockf" else "rb")
+        handle = self.open_lock_file()
         deadline = time.monotonic() + timeout
         waited = False
         while True:
@@ -64,7 +95,7 @@ class RootGuard:
                 break
             except (BlockingIOError, PermissionError):  # lockf: EAGAIN or EACCES
                 if time.monotonic() > deadline:
-                    handle.close()
+                    os.close(handle)
                     raise LaunchError(
                         format_message(
                             rank_tag(),
@@ -85,18 +116,18 @@ class RootGuard:
                 time.sleep(0.05)  # startup only: bounded wait for another worker's lock
         self._file = handle
 
-    def _lock(self, handle: IO[bytes], flags: int) -> None:
+    def _lock(self, fd: int, flags: int) -> None:
         if self._kind == "lockf":
-            fcntl.lockf(handle.fileno(), flags)
+            fcntl.lockf(fd, flags)
         else:
-            fcntl.flock(handle.fileno(), flags)
+            fcntl.flock(fd, flags)
 
     def release(self) -> None:
         if self._file is not None:
             try:
                 self._lock(self._file, fcntl.LOCK_UN)
             finally:
-                self._file.close()
+                os.close(self._file)
                 self._file = None
 
     def prepare(self, pipeline_space: Any, overwrite: bool) -> Any:

@@ -3,37 +3,30 @@
 All ranks start together: they meet (bounded), form the group, and join the channel.
 The ranks first meet on the launcher's rendezvous store: a rank that never calls
 ``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of hanging in
-``init_process_group``, and ranks given different arguments fail on every rank before
-trial 1. The default group is then formed on that same store (Lightning, Fabric and
-plain DDP code find it and reuse it), and the leader publishes the address of its
-control store there for the followers.
+``init_process_group``. The default group is then formed on that same store (Lightning,
+Fabric and plain DDP code find it and reuse it), and over the group the ranks compare
+their arguments, agree on the secret and learn the address of the leader's control
+store (``handshake``): nothing a rank trusts is read from the launcher's store.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import socket
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from neps_bcast.compat import torch as _tc
 from neps_bcast.config import Settings
-from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.errors import AuthError, LaunchError, format_message
 from neps_bcast.log import logger, rank_tag
-from neps_bcast.startup import rendezvous
+from neps_bcast.startup import handshake, rendezvous
 from neps_bcast.startup.launch import Launch
-from neps_bcast.startup.rendezvous import Meeting
 from neps_bcast.transport import auth
 from neps_bcast.transport.auth import Signer
 from neps_bcast.transport.link import Link
-from neps_bcast.transport.store import put as store_put
-from neps_bcast.transport.store import take as store_take
 
 
 @dataclass
@@ -42,12 +35,6 @@ class Started:
 
     owns_group: bool
     """neps_bcast formed the default group (and destroys it at the end)."""
-    secret_file: Path | None = None
-    """Where the leader left the secret for this host's ranks: removed once all joined."""
-
-    def forget_secret(self) -> None:
-        if self.secret_file is not None:
-            self.secret_file.unlink(missing_ok=True)
 
 
 def start(
@@ -55,14 +42,10 @@ def start(
 ) -> Started:
     """Meet, agree on the secret, form the group (unless the user did), reach the leader.
 
-    The caller then joins the control channel (``Runtime.ensure_channel``) and calls
-    ``Started.forget_secret`` once every rank has joined.
+    The caller then joins the control channel (``Runtime.ensure_channel``).
     """
-    user_secret = auth.secret_from_env()
-    if user_secret is not None:
-        signer.use(user_secret)
     if dist.is_initialized():
-        _hand_over_on_the_users_group(launch, settings, link, signer, user_secret)
+        _hand_over_on_the_users_group(launch, settings, link, signer, fingerprint)
         return Started(owns_group=False)
     if launch.main_address is None or launch.main_port is None:
         raise LaunchError(
@@ -75,16 +58,7 @@ def start(
     assert launch.world_size is not None  # external launches always know it
     join_timeout = datetime.timedelta(seconds=settings.join_timeout_s)
     store = rendezvous.rendezvous_store(launch, join_timeout)
-    # The secret is compared like the arguments: a rank with another one is named on
-    # every rank before trial 1 (by a check value, never the secret itself).
-    check = signer.check_value("meet") if user_secret is not None else "not set"
-    meeting = rendezvous.meet(launch, store, {**fingerprint, auth.ENV_SECRET: check}, join_timeout)
-    prefix = meeting.prefix
-    link.loopback = meeting.is_single_host
-    shared = _tc.PrefixStore(prefix, store)
-    secret_file = None
-    if user_secret is None:
-        secret_file = _agree_on_a_secret(launch, signer, shared, meeting)
+    prefix = rendezvous.meet(launch, store, join_timeout).prefix
     backend = _backend(launch, settings)
     logger.debug("forming the DDP group (%s)", backend)
     dist.init_process_group(
@@ -93,80 +67,53 @@ def start(
         rank=launch.global_rank,
         world_size=launch.world_size,
     )
-    started = Started(owns_group=True, secret_file=secret_file)
+    with handshake.control_group() as group:
+        _hand_over(launch, settings, link, signer, fingerprint, group)
+    return Started(owns_group=True)
+
+
+def _hand_over(
+    launch: Launch,
+    settings: Settings,
+    link: Link,
+    signer: Signer,
+    fingerprint: dict[str, str],
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Agree on the secret and reach the leader over ``group`` (``handshake``).
+
+    A ``NEPS_BCAST_SECRET`` this rank refuses (too weak) is told to every rank there,
+    so that every rank stops, not only this one."""
+    user_secret, refusal = None, None
     try:
-        if launch.global_rank == 0:
-            address = f"{_leader_address(launch, settings)}:{link.serve().port}"
-            store_put(shared, signer, "leader", address.encode())
-        else:
-            link.connect(store_take(shared, signer, "leader").decode())
-    except BaseException:
-        started.forget_secret()
-        raise
-    return started
-
-
-def _agree_on_a_secret(
-    launch: Launch, signer: Signer, shared: _tc.Store, meeting: Meeting
-) -> Path | None:
-    """No NEPS_BCAST_SECRET: the leader makes one and hands it to the other ranks.
-
-    On one host, through a file only this user can read (its path goes through the
-    launcher's store, the secret does not). On several hosts there is no private way,
-    so it goes through the launcher's store, and every rank warns once.
-    """
-    if not meeting.is_single_host:
-        hosts = len(set(meeting.hosts))
-        logger.warning(
-            "this group spans %d hosts and %s is not set: the control store and channel"
-            " are authenticated with a secret that passed through the launcher's store,"
-            " so anyone who can reach that store's port can read it and drive the ranks."
-            " HINT: export %s=<a long random string> to every rank (sbatch exports it to"
-            " every task).",
-            hosts,
-            auth.ENV_SECRET,
-            auth.ENV_SECRET,
-        )
-    path: Path | None = None
-    if launch.global_rank == 0:
-        secret = auth.new_secret()
-        if meeting.is_single_host:
-            handle, name = tempfile.mkstemp(prefix="neps_bcast-secret-")  # mode 0600
-            with os.fdopen(handle, "w") as f:
-                f.write(auth.secret_text(secret))
-            path = Path(name)
-            shared.set("secret_file", name)
-        else:
-            shared.set("secret", auth.secret_text(secret))
-    elif meeting.is_single_host:
-        secret = bytes.fromhex(Path(shared.get("secret_file").decode()).read_text())
-    else:
-        secret = bytes.fromhex(shared.get("secret").decode())
-    signer.use(secret)
-    return path
+        user_secret = auth.secret_from_env(tag=rank_tag())
+    except AuthError as exc:
+        refusal = handshake.message_of(exc)
+        logger.error("%s", refusal)
+    handshake.hand_over(
+        launch,
+        link,
+        signer,
+        fingerprint,
+        user_secret=user_secret,
+        refusal=refusal,
+        address=lambda port: f"{_leader_address(launch, settings)}:{port}",
+        group=group,
+    )
 
 
 def _hand_over_on_the_users_group(
-    launch: Launch, settings: Settings, link: Link, signer: Signer, user_secret: bytes | None
+    launch: Launch,
+    settings: Settings,
+    link: Link,
+    signer: Signer,
+    fingerprint: dict[str, str],
 ) -> None:
-    """The user formed the group before neps_bcast.run: hand the address (and, without
-    NEPS_BCAST_SECRET, the secret) over on it: its connections link the ranks directly."""
-    gloo = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-    hosts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname(), group=gloo)
-    link.loopback = len(set(hosts)) == 1
-    box: list[Any] = [None, None]
-    if launch.global_rank == 0:
-        box = [f"{_leader_address(launch, settings)}:{link.serve().port}", None]
-        if user_secret is None:
-            box[1] = auth.secret_text(signer.secret)
-    dist.broadcast_object_list(box, src=0, group=gloo)
-    if gloo is not None:
-        dist.destroy_process_group(gloo)
-    if launch.global_rank != 0:
-        if box[1] is not None:
-            signer.use(bytes.fromhex(str(box[1])))
-        link.connect(str(box[0]))
+    """The user formed the group before neps_bcast.run: the same handshake, on it (its
+    connections link the ranks directly): the same argument and secret checks, no
+    pickle, and the same warning when the secret must cross hosts in the clear."""
+    with handshake.control_group() as group:
+        _hand_over(launch, settings, link, signer, fingerprint, group)
 
 
 def _backend(launch: Launch, settings: Settings) -> str:

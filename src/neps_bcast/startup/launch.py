@@ -21,10 +21,26 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_LEADER
+from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER
 from neps_bcast.errors import LaunchError, format_message
 
 LaunchKind = Literal["single", "lightning_child", "external"]
+
+IDENTITY = {
+    "torchelastic": (
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_RESTART_COUNT",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "WORLD_SIZE",
+    ),
+    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_ID", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS"),
+    "env": ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"),
+}
+"""The variables every rank of one external launch shares and no other launch has (a
+run id, or the rendezvous address only one launch at a time can serve)."""
+RANK_VARIABLE = {"torchelastic": "RANK", "slurm": "SLURM_PROCID", "env": "RANK"}
+_LOOPBACK = ("127.", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -39,7 +55,15 @@ class Launch:
     main_port: int | None = None
     leader_store: str | None = None
     first_seq: int | None = None
+    first_trial: str | None = None
     child_secret: str | None = None
+    identity: tuple[tuple[str, str], ...] = ()
+    """External launches: ``IDENTITY``'s variables with this process's values."""
+    rank_variable: str | None = None
+    """External launches: the variable that holds a rank's global rank."""
+    is_single_node: bool | None = None
+    """What the launcher's own variables say: every rank on this node (True), several
+    nodes (False), or nothing (None)."""
 
 
 def _int_env(name: str, env: dict[str, str]) -> int:
@@ -115,6 +139,9 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
             node_rank=node_rank,
             main_address=address,
             main_port=port,
+            identity=tuple((name, env[name]) for name in IDENTITY[launcher] if name in env),
+            rank_variable=RANK_VARIABLE[launcher],
+            is_single_node=_single_node(launcher, env, address, world_size),
         )
 
     if local_rank >= 1:
@@ -144,6 +171,17 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
     )
 
 
+def _single_node(launcher: str, env: dict[str, str], address: str, world_size: int) -> bool | None:
+    """Whether the launcher's variables put every rank on this node (None: they do not say)."""
+    if address.startswith(_LOOPBACK):
+        return True  # a rank on another node could not reach rank 0 there
+    if launcher == "slurm":
+        nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or ""
+        return nodes == "1" if nodes.isdigit() else None
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    return int(local) == world_size if local.isdigit() else None
+
+
 def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
     node_rank = _int_env("NODE_RANK", env) if "NODE_RANK" in env else 0
     if node_rank != 0:
@@ -155,13 +193,13 @@ def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
                 "launch several nodes with torchrun (--nnodes, c10d rendezvous) or srun.",
             )
         )
-    if ENV_FIRST_SEQ not in env or ENV_CHILD_SECRET not in env:
+    if any(name not in env for name in (ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_CHILD_SECRET)):
         raise LaunchError(
             format_message(
                 f"neps_bcast rank {local_rank}/? follower",
-                f"{ENV_LEADER} is set but {ENV_FIRST_SEQ} or {ENV_CHILD_SECRET} is"
-                " missing, so this process cannot know which trial to start with or"
-                " check that it comes from its leader.",
+                f"{ENV_LEADER} is set but {ENV_FIRST_SEQ}, {ENV_FIRST_TRIAL} or"
+                f" {ENV_CHILD_SECRET} is missing, so this process cannot know which trial"
+                " to start with or check that it comes from its leader.",
                 "do not set NEPS_BCAST_* variables by hand; let neps_bcast.run set them.",
             )
         )
@@ -177,5 +215,6 @@ def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
         main_port=_int_env("MASTER_PORT", env) if "MASTER_PORT" in env else None,
         leader_store=env[ENV_LEADER],
         first_seq=_int_env(ENV_FIRST_SEQ, env),
+        first_trial=env[ENV_FIRST_TRIAL],
         child_secret=env[ENV_CHILD_SECRET],
     )

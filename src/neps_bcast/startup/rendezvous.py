@@ -5,11 +5,14 @@ Before the DDP group is formed (``init_process_group`` blocks until every rank c
 for 30 minutes by default) the ranks meet on the launcher's rendezvous store with a
 bound of their own:
 
-1. each rank checks in with a fingerprint of its ``neps_bcast.run`` arguments;
+1. each rank checks in;
 2. a rank that does not come within ``NEPS_BCAST_JOIN_TIMEOUT_S`` is named, on every
-   rank that did come;
-3. every rank compares the fingerprints and, if they differ, raises the same error
-   listing each rank's value.
+   rank that did come.
+
+Nothing else is read from that store: anyone who reaches its port can write it. Once
+the group exists, the ranks compare a fingerprint of their ``neps_bcast.run``
+arguments over it (``startup/handshake.py`` gathers them, ``compare`` raises the same
+error on every rank, listing each rank's value).
 
 The store is the one ``init_process_group`` then uses: torchrun's agent store when
 torchrun says to reuse it (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise a
@@ -131,23 +134,10 @@ class Meeting:
 
     prefix: str
     """Key prefix of this launch attempt on the rendezvous store."""
-    hosts: tuple[str, ...]
-    """Each rank's host name, by rank."""
-
-    @property
-    def is_single_host(self) -> bool:
-        return len(set(self.hosts)) == 1
 
 
-def meet(
-    launch: Launch,
-    store: tc.Store,
-    mine: dict[str, str],
-    timeout: datetime.timedelta,
-) -> Meeting:
-    """Check in, wait (bounded) for every rank, and compare fingerprints."""
-    assert launch.world_size is not None
-    world = launch.world_size
+def meet(launch: Launch, store: tc.Store, timeout: datetime.timedelta) -> Meeting:
+    """Check in and wait (bounded) for every rank; reads nothing back."""
     attempt = "/".join(
         (
             os.environ.get("TORCHELASTIC_RUN_ID", "none"),
@@ -156,7 +146,7 @@ def meet(
     )
     prefix = f"neps_bcast/meet/{attempt}"
     base = tc.PrefixStore(prefix, store)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), **mine}
+    me = {"pid": os.getpid(), "host": socket.gethostname()}
     base.set(f"in/{launch.global_rank}", json.dumps(me))
     _wait_all(
         launch,
@@ -167,19 +157,14 @@ def meet(
         hint="call neps_bcast.run on every rank (the same script and arguments"
         " everywhere), before any other torch.distributed call.",
     )
-    raw = [json.loads(base.get(f"in/{r}")) for r in range(world)]
-    # Everyone has read every fingerprint before anyone may raise and leave: rank 0
-    # may be the store's server.
-    base.set(f"read/{launch.global_rank}", "1")
-    _wait_all(
-        launch,
-        base,
-        "read",
-        timeout,
-        failure="left during the startup check",
-        hint="see the log of the ranks named.",
-    )
-    names = sorted({name for r in raw for name in r} - {"pid", "host"})
+    return Meeting(prefix)
+
+
+def compare(tag: str, raw: list[dict[str, Any]]) -> None:
+    """Every rank's fingerprint (by rank, gathered over the group) must be the same;
+    the error lists each rank's value of every name that differs."""
+    world = len(raw)
+    names = sorted({name for r in raw for name in r} - {"pid", "host", "challenge"})
     differ = [name for name in names if len({r.get(name, "<missing>") for r in raw}) > 1]
     if differ:
         lines = "; ".join(
@@ -189,7 +174,7 @@ def meet(
         )
         raise LaunchError(
             format_message(
-                _tag(launch),
+                tag,
                 f"the ranks called neps_bcast.run with different arguments; expected the"
                 f" same {', '.join(differ)} on all {world} ranks, observed {lines}.",
                 "every rank must run the same script with the same neps_bcast.run"
@@ -197,7 +182,6 @@ def meet(
                 " check per-rank environment variables and command lines.",
             )
         )
-    return Meeting(prefix, tuple(str(r.get("host", "?")) for r in raw))
 
 
 def _wait_all(

@@ -3,8 +3,10 @@
 One ``Link`` per ``neps_bcast.run`` call. The leader serves the store; a follower
 connects to it (and starts its leader watch). Once the size of the group is known,
 every rank joins the control channel, and from then on every message is a control
-step on it (``steps``). Before that (trial 1 of a Lightning launch, when the children do not exist
-yet) the leader leaves the trial in the store for them. Every connection made here is
+step on it (``steps``). Before that (trial 1 of a Lightning launch, when the children
+do not exist yet) the leader leaves the trial for them in a private file
+(``transport/private.py``) whose path the children inherit: not in the store, where an
+outsider could overwrite it before the children read it. Every connection made here is
 recorded as neps_bcast's own, so that releasing the user's group never shuts it.
 """
 
@@ -15,13 +17,14 @@ import datetime
 import logging
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from neps_bcast.compat.torch import TCPStore
 from neps_bcast.config import Settings
 from neps_bcast.errors import LeaderLostError, ProtocolError, format_message
 from neps_bcast.log import logger, rank_tag
-from neps_bcast.transport import peers, sockets, store, watchdog
-from neps_bcast.transport.auth import Signer
+from neps_bcast.transport import peers, private, sockets, store, watchdog
+from neps_bcast.transport.auth import Context, Signer
 from neps_bcast.transport.channel import Channel, ChannelClosedError, GlooChannel, JoinTimeoutError
 
 
@@ -40,6 +43,8 @@ class Link:
         """Inodes of neps_bcast's own connections (never shut when the group is released)."""
         self.stopping = False
         """Follower: the leader said STOP, so losing it from now on is normal."""
+        self.trial_dir: Path | None = None
+        """Leader: the private directory of the trial left for Lightning's children."""
 
     @property
     def wait_timeout(self) -> datetime.timedelta:
@@ -59,6 +64,12 @@ class Link:
         if self.store is None:
             with self.own_connections():
                 self.store = store.serve(self.wait_timeout, loopback=self.loopback)
+            logger.log(
+                logging.INFO,
+                "serving the control store on port %d (%s)",
+                self.store.port,
+                "loopback only" if self.loopback else "every interface",
+            )
             self.peers.publish(self.store)
         return self.store
 
@@ -117,16 +128,39 @@ class Link:
         logger.log(logging.INFO, "control channel up (%d ranks)", world_size)
         return self.channel
 
-    def leave_trial_for_children(self, seq: int, payload: bytes) -> str:
-        """Leader before its group exists: the trial, where Lightning's children find it."""
-        target = self.serve()
-        store.put(target, self.signer, store.Keys.trial(seq), payload)
-        return f"127.0.0.1:{target.port}"
+    def leave_trial_for_children(self, seq: int, payload: bytes) -> tuple[str, str]:
+        """Leader before its group exists: the trial, where Lightning's children find it.
 
-    def trial_left_by_leader(self, seq: int) -> bytes:
-        """Lightning child: the trial its leader left in the store (tag checked)."""
-        assert self.store is not None
-        return store.take(self.store, self.signer, store.Keys.trial(seq))
+        Returns the store's address and the trial's file (in a fresh private directory)."""
+        target = self.serve()
+        self.forget_trial()
+        self.trial_dir = private.new_dir()
+        with private.opened(self.trial_dir, create=False) as folder:
+            context = Context(store.Keys.trial(seq), 0, seq)
+            path = folder.write("trial", self.signer.sign(context, payload))
+        return f"127.0.0.1:{target.port}", str(path)
+
+    def forget_trial(self) -> None:
+        """Leader: the children have read the trial (or will never come): remove it."""
+        if self.trial_dir is not None:
+            with contextlib.suppress(OSError):
+                with private.opened(self.trial_dir, create=False) as folder:
+                    folder.remove("trial")
+                self.trial_dir.rmdir()
+            self.trial_dir = None
+
+    def trial_left_by_leader(self, seq: int, path: str) -> bytes:
+        """Lightning child: the trial its leader left in ``path`` (file and tag checked)."""
+        file = Path(path)
+        hint = (
+            "the leader writes this file for its Lightning children and passes its path in"
+            " their environment: do not set NEPS_BCAST_* variables by hand."
+        )
+        with private.opened(
+            file.parent, create=False, hint=hint, label="the first trial's directory"
+        ) as folder:
+            signed = folder.read(file.name, hint=hint, label="the first trial's file")
+        return self.signer.open(Context(store.Keys.trial(seq), 0, seq), signed)
 
     def release_followers(self, world_size: int) -> None:
         """Leader at the end: every follower's watch may end quietly from now on."""
@@ -134,7 +168,7 @@ class Link:
             return
         with contextlib.suppress(Exception):  # losing us is normal from now on
             for r in range(1, world_size):
-                store.put(self.store, self.signer, store.Keys.released(r), b"1")
+                store.put(self.store, self.signer, store.Keys.released(r), b"1", sender=0)
 
     def release_watch(self) -> None:
         """Follower leaving (normally or not): end the leader watch first."""
@@ -144,6 +178,7 @@ class Link:
         self.watch = None
 
     def close(self) -> None:
+        self.forget_trial()
         if self.channel is not None:
             self.channel.close()
             self.channel = None

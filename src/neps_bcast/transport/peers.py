@@ -7,19 +7,28 @@ and the leader can say how a lost follower ended: "signal 9 (SIGKILL)" beats "pr
 died". A follower that is this process's child (Lightning's launcher) is inspected
 with ``waitid(WNOWAIT)``, which reads its exit status and leaves it to Lightning to
 reap; any other process on this host is looked up in ``/proc``.
+
+A record that fails its check (forged, replayed from another search, not a record) or
+cannot be read is an error naming its key, logged by every rank that reads it, and the
+peer is then unknown from the store: where the group must still be released, the
+process falls back to what it can see itself in ``/proc`` (``relatives``: Lightning's
+parent or children, or the processes of this host that carry this launch's variables).
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import Store
+from neps_bcast.errors import AuthError, first_line
+from neps_bcast.log import logger
 from neps_bcast.transport import sockets
 from neps_bcast.transport.auth import Signer
 from neps_bcast.transport.store import Keys, put_json, take_json
@@ -66,59 +75,131 @@ def this_process(group_rank: int) -> Peer:
     return Peer(group_rank, socket.gethostname(), os.getpid(), tuple(sorted(listen)))
 
 
+def _no_relatives() -> list[Peer]:
+    return []
+
+
 class Peers:
     """The group's ranks as published on the leader's store (read lazily, cached)."""
 
-    def __init__(self, group_rank: int, signer: Signer) -> None:
+    def __init__(
+        self,
+        group_rank: int,
+        signer: Signer,
+        relatives: Callable[[], list[Peer]] = _no_relatives,
+    ) -> None:
         self.group_rank = group_rank
         self.signer = signer
+        self.relatives = relatives
+        """What this process sees of its group by itself, for ranks without a record."""
         self._known: dict[int, Peer] = {}
+        self._refused: set[int] = set()
 
     def publish(self, store: Store) -> None:
         me = this_process(self.group_rank)
         self._known[self.group_rank] = me
-        put_json(store, self.signer, Keys.rank(self.group_rank), me.to_json())
+        put_json(store, self.signer, Keys.rank(self.group_rank), me.to_json(), sender=me.group_rank)
 
     def others(self, store: Store | None, world_size: int | None) -> list[Peer]:
-        """Every other rank known so far (reads the ones not yet seen)."""
+        """Every other rank known from its record so far (reads the ones not yet seen).
+
+        A record that is there but fails its check, or cannot be read, is logged as an
+        error naming its key (once) and that rank stays unknown."""
         if store is not None and world_size is not None:
             for r in range(world_size):
-                if r in self._known:
-                    continue
-                with contextlib.suppress(Exception):
-                    if store.check([Keys.rank(r)]):
-                        peer = Peer.from_json(r, take_json(store, self.signer, Keys.rank(r)))
-                        if peer is not None:
-                            self._known[r] = peer
+                if r not in self._known and r not in self._refused:
+                    self._read(store, r)
         return [p for r, p in sorted(self._known.items()) if r != self.group_rank]
 
-    def lightning_relatives(self, launch_kind: str) -> list[Peer]:
-        """Where a peer's record is missing: under Lightning's own launcher the group is
-        this process's parent (a child's leader) or its child processes (the leader's)."""
-        here = socket.gethostname()
-        if launch_kind == "lightning_child":
-            stat = procfs.read_stat(os.getpid())
-            return [Peer(0, here, stat.ppid)] if stat is not None else []
-        if launch_kind == "single":
-            me = os.getpid()
-            children = [
-                pid
-                for pid in procfs.all_pids()
-                if (st := procfs.read_stat(pid)) is not None and st.ppid == me
-            ]
-            return [Peer(-1, here, pid) for pid in children]
-        return []
+    def _read(self, store: Store, group_rank: int) -> None:
+        key = Keys.rank(group_rank)
+        try:
+            if not store.check([key]):
+                return  # not published yet (a Lightning child still starting)
+            peer = Peer.from_json(group_rank, take_json(store, self.signer, key, sender=group_rank))
+            if peer is None:
+                raise ValueError("it is not a peer record (host, pid, listen)")
+        except AuthError as exc:
+            self._refused.add(group_rank)
+            logger.log(logging.ERROR, "%s", exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - unreadable: said so, the rank stays unknown
+            self._refused.add(group_rank)
+            logger.log(
+                logging.ERROR,
+                "refused the peer record under %r: cannot read it (%s); rank %d is found"
+                " from this host's processes instead where it runs here. HINT: another"
+                " process wrote to the leader's store, or the leader is gone.",
+                key,
+                first_line(exc),
+                group_rank,
+            )
+            return
+        self._known[group_rank] = peer
+
+    def group(self, store: Store | None, world_size: int | None) -> list[Peer]:
+        """Every other rank: its record, and where one is missing or was refused, what
+        this process sees by itself (``relatives``)."""
+        others = self.others(store, world_size)
+        if len(others) < (world_size or 1) - 1:
+            pids = {p.pid for p in others}
+            others += [p for p in self.relatives() if p.pid not in pids]
+        return others
 
     def describe_lost(self, store: Store | None, world_size: int | None) -> str:
         """Which peers are gone, and how (exit code or signal), where this host can tell."""
         lost = []
-        for peer in self.others(store, world_size):
+        for peer in self.group(store, world_size):
             if not peer.is_here:
                 continue
             how = _how_it_ended(peer.pid)
             if how is not None:
-                lost.append(f"rank {peer.group_rank} lost: {how} (pid {peer.pid})")
+                who = f"rank {peer.group_rank}" if peer.group_rank >= 0 else "a child process"
+                lost.append(f"{who} lost: {how} (pid {peer.pid})")
         return "; ".join(lost)
+
+
+def lightning_relatives(launch_kind: str) -> list[Peer]:
+    """Under Lightning's own launcher the group is this process's parent (a child's
+    leader) or its child processes (the leader's)."""
+    here = socket.gethostname()
+    if launch_kind == "lightning_child":
+        stat = procfs.read_stat(os.getpid())
+        return [Peer(0, here, stat.ppid)] if stat is not None else []
+    if launch_kind == "single":
+        me = os.getpid()
+        children = [
+            pid
+            for pid in procfs.all_pids()
+            if (st := procfs.read_stat(pid)) is not None and st.ppid == me
+        ]
+        return [Peer(-1, here, pid) for pid in children]
+    return []
+
+
+def launch_relatives(
+    identity: tuple[tuple[str, str], ...], rank_variable: str | None, group_rank: int
+) -> list[Peer]:
+    """An external launch's other ranks on this host: this user's processes whose
+    environment carries this launch's variables (``identity``: the launcher's run id,
+    rendezvous address, ...), with their rank in ``rank_variable``."""
+    if not identity or rank_variable is None:
+        return []
+    here, me, uid = socket.gethostname(), os.getpid(), os.geteuid()
+    found = []
+    for pid in procfs.all_pids():
+        if pid == me or procfs.owner(pid) != uid:
+            continue
+        env = procfs.environ(pid)
+        if any(env.get(name) != value for name, value in identity):
+            continue
+        try:
+            rank = int(env.get(rank_variable, ""))
+        except ValueError:
+            continue
+        if rank != group_rank:  # not this rank's own children (data loader workers)
+            found.append(Peer(rank, here, pid))
+    return found
 
 
 def _how_it_ended(pid: int) -> str | None:

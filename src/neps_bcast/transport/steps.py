@@ -13,15 +13,18 @@ knows at once that the search is over (``SearchStopped``); any other pair of ste
 that do not belong together raises ``ProtocolError`` on every rank involved.
 
 Every message is authenticated (``auth.Signer``) before it is decoded, and only a
-trial's arguments are ever unpickled (``messages``).
+trial's arguments are ever unpickled (``messages``). Its tag binds the step's number
+(every rank counts its steps the same way), the sender's group rank (slot r of the
+gather must have been signed by rank r) and the group generation, so a message
+recorded from another step, rank, generation or search is refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from neps_bcast.errors import ProtocolError, SearchStopped, format_message
-from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.auth import Context, Signer, channel_context
 from neps_bcast.transport.channel import Channel
 from neps_bcast.transport.messages import (
     Goodbye,
@@ -34,17 +37,21 @@ from neps_bcast.transport.messages import (
     encode,
 )
 
-CONTEXT = "channel"
-"""Authentication context of every message on the control channel."""
+KIND = "step"
+"""The kind every control-channel message's context names (``auth.channel_context``)."""
 _BUG = "this is a bug in neps_bcast; please report it with every rank's log."
 
 
 class Steps:
     """This rank's control steps, and what it learnt of the leader's end from them."""
 
-    def __init__(self, group_rank: int, signer: Signer) -> None:
+    def __init__(self, group_rank: int, signer: Signer, generation: Callable[[], int]) -> None:
         self.group_rank = group_rank
         self.signer = signer
+        self.generation = generation
+        """The group generation this rank is in (bound into every tag)."""
+        self.count = 0
+        """How many steps this rank has taken on the channel: each tag binds its number."""
         self.handed_seq = 0
         """Leader: the last trial its followers received."""
         self.leader_stop: StopMessage | None = None
@@ -54,8 +61,13 @@ class Steps:
 
     def take(self, channel: Channel, mine: Message, tag: str) -> list[Message]:
         """One step: ``mine`` in, every rank's message out, by group rank."""
-        raw = channel.allgather(self.signer.sign(CONTEXT, encode(mine, tag=tag)))
-        messages = [decode(self.signer.open(CONTEXT, r), tag=tag) for r in raw]
+        signed = self.signer.sign(self._context(self.group_rank), encode(mine, tag=tag))
+        raw = channel.allgather(signed)
+        messages = [
+            decode(self.signer.open(self._context(sender), r), tag=tag)
+            for sender, r in enumerate(raw)
+        ]
+        self.count += 1
         leaders = messages[0]
         if isinstance(leaders, StopMessage) and self.leader_stop is None:
             self.leader_stop = leaders
@@ -64,6 +76,9 @@ class Steps:
             if self.leader_stop is None:
                 self.leader_stop = StopMessage("the leader said goodbye")
         return messages
+
+    def _context(self, sender: int) -> Context:
+        return channel_context(KIND, sender=sender, seq=self.count, generation=self.generation())
 
     def hand_over(self, channel: Channel, message: TrialMessage | StopMessage, tag: str) -> None:
         """Leader: every follower gets ``message``. At STOP, a follower still in a trial

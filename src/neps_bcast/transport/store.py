@@ -1,13 +1,13 @@
 """The leader's store: serving it, reaching it, and every key neps_bcast writes to it.
 
 The leader serves a TCP store on a port the OS picks (never a fixed port). It carries
-what must exist before or outside the control channel: the first trial of Lightning's
-children, who each rank is (host, pid), the channel's rendezvous, the error board (each
-rank's failure of a trial, readable by every rank before the group is released), and
-the keys that end each follower's leader watch. Every key is built here (``Keys``);
-values are bytes, records are JSON (never unpickled), and every value carries an
-authentication tag for the key it was written under (``auth.Signer``): a value an
-outsider wrote is refused before anything reads it.
+what must exist before or outside the control channel: who each rank is (host, pid),
+the channel's rendezvous, the error board (each rank's failure of a trial, readable by
+every rank before the group is released), and the keys that end each follower's leader
+watch. Every key is built here (``Keys``); values are bytes, records are JSON (never
+unpickled), and every value carries an authentication tag for its key, its writer's
+rank, its trial and this search (``auth.Context``): a value an outsider wrote, or one
+recorded from another search or trial, is refused before anything reads it.
 
 When every rank runs on this host (Lightning's own launcher, a single-node torchrun or
 srun) the store listens on the loopback interface only.
@@ -23,7 +23,7 @@ import socket
 from neps_bcast.compat.torch import PrefixStore, Store, TCPStore, set_bytes
 from neps_bcast.errors import AuthError, ErrorRecord
 from neps_bcast.log import logger
-from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.auth import Context, Signer
 
 PREFIX = "neps_bcast"
 
@@ -33,6 +33,7 @@ class Keys:
 
     @staticmethod
     def trial(seq: int) -> str:
+        """The context of a trial left for Lightning's children (in a private file)."""
         return f"{PREFIX}/trial/{seq}"
 
     @staticmethod
@@ -50,10 +51,6 @@ class Keys:
     @staticmethod
     def error(seq: int, group_rank: int) -> str:
         return f"{PREFIX}/err/{seq}/{group_rank}"
-
-    @staticmethod
-    def error_count(seq: int) -> str:
-        return f"{PREFIX}/err/{seq}/n"
 
     @staticmethod
     def released(group_rank: int) -> str:
@@ -105,29 +102,33 @@ def prefixed(prefix: str, store: Store) -> PrefixStore:
     return PrefixStore(prefix, store)
 
 
-def put(store: Store, signer: Signer, key: str, value: bytes) -> None:
-    """Write ``value`` under ``key`` with its authentication tag."""
-    set_bytes(store, key, signer.sign(key, value))
+def put(store: Store, signer: Signer, key: str, value: bytes, *, sender: int, seq: int = 0) -> None:
+    """Write ``value`` under ``key`` with its authentication tag (``sender``: this rank)."""
+    set_bytes(store, key, signer.sign(Context(key, sender, seq), value))
 
 
-def take(store: Store, signer: Signer, key: str) -> bytes:
-    """Read the value under ``key``; ``AuthError`` if its tag is not valid."""
-    return signer.open(key, store.get(key))
+def take(store: Store, signer: Signer, key: str, *, sender: int, seq: int = 0) -> bytes:
+    """Read the value under ``key``; ``AuthError`` unless ``sender`` wrote it for ``seq``
+    in this search."""
+    return signer.open(Context(key, sender, seq), store.get(key))
 
 
-def put_json(store: Store, signer: Signer, key: str, value: object) -> None:
-    put(store, signer, key, json.dumps(value).encode())
+def put_json(store: Store, signer: Signer, key: str, value: object, *, sender: int) -> None:
+    put(store, signer, key, json.dumps(value).encode(), sender=sender)
 
 
-def take_json(store: Store, signer: Signer, key: str) -> object:
-    return json.loads(take(store, signer, key).decode())
+def take_json(store: Store, signer: Signer, key: str, *, sender: int) -> object:
+    """The JSON record under ``key``; ``AuthError`` or ``ValueError`` if it is not one."""
+    return json.loads(take(store, signer, key, sender=sender).decode())
 
 
 class ErrorBoard:
     """Each rank's failure of a trial, published before the group is released.
 
-    A rank that failed writes its record, then counts itself in (``add`` is a round
-    trip, so the record has landed); any rank reads every record of the trial.
+    A rank that failed writes its record, then checks that it is there (``check`` is a
+    round trip, so the record has landed); any rank reads every record of the trial.
+    No counter: ``add`` on a key an outsider set to something that is not a number makes
+    the store drop the connection, which would cut a follower off its leader.
     """
 
     def __init__(self, store: Store, signer: Signer) -> None:
@@ -135,22 +136,24 @@ class ErrorBoard:
         self.signer = signer
 
     def publish(self, seq: int, record: ErrorRecord) -> None:
-        put(self.store, self.signer, Keys.error(seq, record.group_rank), record.to_json())
-        self.store.add(Keys.error_count(seq), 1)
+        key = Keys.error(seq, record.group_rank)
+        put(self.store, self.signer, key, record.to_json(), sender=record.group_rank, seq=seq)
+        self.store.check([key])  # a round trip: the record has landed
 
     def read(self, seq: int, world_size: int) -> list[ErrorRecord]:
-        if self.store.add(Keys.error_count(seq), 0) == 0:
-            return []
         found = []
         for group_rank in range(world_size):
             key = Keys.error(seq, group_rank)
             if not self.store.check([key]):
                 continue
             try:
-                record = ErrorRecord.from_json(take(self.store, self.signer, key))
+                raw = take(self.store, self.signer, key, sender=group_rank, seq=seq)
             except AuthError as exc:
                 logger.log(logging.ERROR, "%s", exc)  # refused, and said so
                 continue
-            if record is not None and record.group_rank == group_rank:
-                found.append(record)
+            record = ErrorRecord.from_json(raw)
+            if record is None or record.group_rank != group_rank:
+                logger.log(logging.ERROR, "refused the error record under %r: not a record", key)
+                continue
+            found.append(record)
         return found

@@ -28,7 +28,7 @@ from neps_bcast.config import Settings
 from neps_bcast.errors import AuthError
 from neps_bcast.log import logger
 from neps_bcast.transport import store
-from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.auth import Context, Signer
 
 GRACE_S = 3.0
 """Time the follower's own code gets to notice the loss before the watch ends it."""
@@ -66,13 +66,21 @@ class LeaderWatch:
 
     def _run(self) -> None:
         key = store.Keys.released(self.group_rank)
+        # The leader releases every follower at the end; a follower leaving releases its
+        # own watch. Nothing else (a forged value, or one recorded from another search).
+        writers = [Context(key, 0), Context(key, self.group_rank)]
+        refusals = 0
         while True:
             try:
                 self._store.wait([key], self._timeout)
-                store.take(self._store, self._signer, key)
+                self._signer.open_any(writers, self._store.get(key))
             except AuthError as exc:
                 # Someone else set the key: ignore it (and say so), keep watching.
-                logger.log(logging.ERROR, "%s", exc)
+                refusals += 1
+                level = logging.ERROR if refusals == 1 else logging.DEBUG
+                logger.log(level, "%s (refused %d time(s) so far)", exc, refusals)
+                if self._released.is_set():
+                    return  # leaving: its own release may have been overwritten
                 self._store.delete_key(key)
                 continue
             except dist.DistStoreError as exc:
@@ -102,7 +110,8 @@ class LeaderWatch:
         """Follower leaving: end the watch before the interpreter exits."""
         self._released.set()
         try:
-            store.put(leader_store, self._signer, store.Keys.released(self.group_rank), b"1")
+            key = store.Keys.released(self.group_rank)
+            store.put(leader_store, self._signer, key, b"1", sender=self.group_rank)
         except Exception:  # noqa: BLE001, S110 - the leader is gone: the wait ended already
             pass
         self.thread.join(timeout=5.0)
