@@ -1,12 +1,18 @@
 """Externally launched ranks (torchrun, ``srun``, plain ``RANK``/``WORLD_SIZE``): start.
 
-All ranks start together: they meet (bounded), form the group, and join the channel.
-The ranks first meet on the launcher's rendezvous store: a rank that never calls
-``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of hanging in
-``init_process_group``, and ranks given different arguments fail on every rank before
-trial 1. The default group is then formed on that same store (Lightning, Fabric and
-plain DDP code find it and reuse it), and the leader publishes the address of its
-control store there for the followers.
+All ranks start together: they meet (bounded), agree on the secret, and join the
+channel. The ranks first meet on the launcher's rendezvous store: a rank that never
+calls ``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of
+hanging in ``init_process_group``, and ranks given different arguments fail on every
+rank before trial 1. The leader publishes the address of its control store there for
+the followers.
+
+No default process group is formed here: the user's code may form it itself, every
+trial (PyTorch's DDP tutorial does), and a second ``init_process_group`` would raise.
+Lightning and Fabric form it when they find none; code that uses one without forming it
+gets one at ``session()`` (``ddp.group``). The launcher's store is held for the whole
+run: every group formed with ``env://`` meets on it (rank 0's server is shared with
+torch's, ``multi_tenant``), and each trial's group keeps its keys apart by its name.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from neps_bcast.compat import torch as _tc
@@ -40,8 +45,10 @@ from neps_bcast.transport.store import take as store_take
 class Started:
     """What ``start`` leaves to its caller, who joins the channel next."""
 
-    owns_group: bool
-    """neps_bcast formed the default group (and destroys it at the end)."""
+    users_group: bool
+    """The user's code formed the default group before ``neps_bcast.run``."""
+    launcher_store: _tc.Store | None = None
+    """The launcher's store, to be held for the whole run (see the module docstring)."""
     secret_file: Path | None = None
     """Where the leader left the secret for this host's ranks: removed once all joined."""
 
@@ -63,7 +70,7 @@ def start(
         signer.use(user_secret)
     if dist.is_initialized():
         _hand_over_on_the_users_group(launch, settings, link, signer, user_secret)
-        return Started(owns_group=False)
+        return Started(users_group=True)
     if launch.main_address is None or launch.main_port is None:
         raise LaunchError(
             format_message(
@@ -79,21 +86,12 @@ def start(
     # every rank before trial 1 (by a check value, never the secret itself).
     check = signer.check_value("meet") if user_secret is not None else "not set"
     meeting = rendezvous.meet(launch, store, {**fingerprint, auth.ENV_SECRET: check}, join_timeout)
-    prefix = meeting.prefix
     link.loopback = meeting.is_single_host
-    shared = _tc.PrefixStore(prefix, store)
+    shared = _tc.PrefixStore(meeting.prefix, store)
     secret_file = None
     if user_secret is None:
         secret_file = _agree_on_a_secret(launch, signer, shared, meeting)
-    backend = _backend(launch, settings)
-    logger.debug("forming the DDP group (%s)", backend)
-    dist.init_process_group(
-        backend,
-        store=_tc.PrefixStore(f"{prefix}/pg", store),
-        rank=launch.global_rank,
-        world_size=launch.world_size,
-    )
-    started = Started(owns_group=True, secret_file=secret_file)
+    started = Started(users_group=False, launcher_store=store, secret_file=secret_file)
     try:
         if launch.global_rank == 0:
             address = f"{_leader_address(launch, settings)}:{link.serve().port}"
@@ -167,15 +165,6 @@ def _hand_over_on_the_users_group(
         if box[1] is not None:
             signer.use(bytes.fromhex(str(box[1])))
         link.connect(str(box[0]))
-
-
-def _backend(launch: Launch, settings: Settings) -> str:
-    if settings.backend:
-        return settings.backend
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-        return "nccl"
-    return "gloo"
 
 
 def _leader_address(launch: Launch, settings: Settings) -> str:

@@ -54,6 +54,8 @@ class Report:
     seq: int
     trial_id: str
     error: ErrorRecord | None = None
+    has_group: bool = False
+    """This rank has a default process group (told at session entry)."""
 
 
 Message = TrialMessage | StopMessage | Report
@@ -86,6 +88,7 @@ def encode(message: Message, *, tag: str) -> bytes:
             "seq": message.seq,
             "trial_id": message.trial_id,
             "error": error,
+            "has_group": message.has_group,
         }
         return _frame(_REPORT, header)
     header = {
@@ -113,6 +116,7 @@ def decode(payload: bytes, *, tag: str) -> Message:
                 seq=_typed(header, "seq", int),
                 trial_id=_typed(header, "trial_id", str),
                 error=ErrorRecord.from_dict(error) if error is not None else None,
+                has_group=_typed(header, "has_group", bool),
             )
         if kind != _TRIAL:
             raise ValueError(f"unknown message kind {kind!r}")
