@@ -28,7 +28,7 @@ from neps_bcast.errors import (
 )
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.root_lock import RootGuard
-from neps_bcast.recovery.signals import Terminated, sigterm_raises
+from neps_bcast.recovery.signals import Terminated, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
 from neps_bcast.trial import Outcome, evaluate_once, failure_text, running
@@ -129,15 +129,19 @@ def _hand_and_evaluate(
         _abort(rt, info, root_directory, leases, exc)
     except BaseException as exc:
         # Ctrl-C, SIGTERM, sys.exit: settle the trial before leaving, never leave it
-        # "evaluating" in NePS's state. SIGTERM (preemption, a time limit) is no fault
-        # of the trial: it goes back to pending; the others are the user's stop.
+        # "evaluating" in NePS's state. A stop by the scheduler (SIGTERM, or the job's
+        # own handler of its time-limit signal exiting: ``Terminated``) is no fault of
+        # the trial: it goes back to pending; the others are the user's stop.
         if isinstance(exc, Terminated) and leases is not None and info.pipeline_directory:
             what = leases.give_back(
-                info.trial_id, info.pipeline_directory, f"preempted: SIGTERM to the leader ({exc})"
+                info.trial_id,
+                info.pipeline_directory,
+                f"preempted: {exc.how} on the leader (exit code {exc.code})",
             )
             rt.log(
                 logging.WARNING,
-                "SIGTERM in trial %s: %s; exit code %s asks to requeue",
+                "%s in trial %s: %s; exit code %s",
+                exc.how,
                 info.trial_id,
                 what,
                 exc.code,
@@ -247,7 +251,7 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
         lightning_compat.before_observer_kills(lambda: let_leader_record(rt, root, leases))
     try:
-        with sigterm_raises():
+        with stop_signals():
             guard.acquire()
             try:
                 overwrite = bool(kwargs.get("overwrite_root_directory"))

@@ -34,6 +34,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
+from neps_bcast.recovery.signals import preemption
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
 from neps_bcast.transport.store import ErrorBoard
@@ -271,6 +272,10 @@ def evaluate_once(rt: Runtime, fn: Callable[..., Any], message: TrialMessage) ->
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
         except BaseException as exc:
+            stop = preemption(exc)  # a scheduler's stop, however the user's code exited
+            if stop is not None and stop is not exc:
+                run.interrupted(stop)
+                raise stop from exc
             run.interrupted(exc)
             raise
         failures = run.end(error)
