@@ -1,6 +1,6 @@
 """Unit tests: who forms the default group under an external launch, the names that keep
-each trial's group apart on a store that outlives it, and the groups kept alive until a
-trial ended.
+each trial's group apart on a store that outlives it, the groups kept alive until a
+trial ended, and what a retried trial is told (``attempt``, ``resumed_from``).
 
 In one process: a one-rank "external" runtime over a one-rank channel, with real gloo
 groups on a ``HashStore`` (the multi-process behaviour is in test_e2e_tutorial.py).
@@ -19,8 +19,11 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import neps_bcast
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import torch as tc
-from neps_bcast.errors import ProtocolError
+from neps_bcast.errors import MessageError, ProtocolError
+from neps_bcast.recovery.lease import left_by_earlier_attempts
+from neps_bcast.recovery.lease_file import LEASE_FILE
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer
@@ -210,6 +213,49 @@ def test_a_destroyed_group_is_kept_alive_until_released() -> None:
     assert tc.release_destroyed_groups() == 0
 
 
-def test_has_group_travels_in_the_session_reports() -> None:
+def test_neps_trial_files_are_the_ones_neps_writes() -> None:
+    assert neps_compat.trial_files() == {
+        "config.yaml",
+        "report.yaml",
+        "metadata.json",
+        "previous_trial_id.txt",
+    }
+
+
+# -- what a retried trial is told --------------------------------------------------------
+def test_resumed_from_is_the_directory_only_on_a_retry_that_left_files(tmp_path: Path) -> None:
+    trial_dir = tmp_path / "config_2"
+    trial_dir.mkdir()
+    for name in [*neps_compat.trial_files(), LEASE_FILE, f"{LEASE_FILE}.host.1.tmp"]:
+        (trial_dir / name).write_text("")
+    assert left_by_earlier_attempts(trial_dir, attempt=2) is None  # only NePS's and ours
+    (trial_dir / "checkpoint.pt").write_bytes(b"state")
+    assert left_by_earlier_attempts(trial_dir, attempt=1) is None  # a first attempt
+    assert left_by_earlier_attempts(trial_dir, attempt=2) == trial_dir
+    assert left_by_earlier_attempts(tmp_path / "gone", attempt=2) is None
+
+
+@pytest.mark.usefixtures("no_group")
+def test_the_session_tells_which_attempt_and_where_to_resume_from(tmp_path: Path) -> None:
+    rt = external_runtime(dist.HashStore())
+    trials: list[neps_bcast.Trial] = []
+
+    def evaluate(lr: float) -> float:
+        with neps_bcast.session() as trial:
+            trials.append(trial)
+        return lr
+
+    with rt.activated():
+        evaluate_once(rt, evaluate, message(1))
+        evaluate_once(rt, evaluate, message(2, attempt=3, resumed_from=tmp_path))
+    assert [(t.attempt, t.resumed_from) for t in trials] == [(1, None), (3, tmp_path)]
+
+
+def test_attempt_resumed_from_and_has_group_travel_in_the_messages(tmp_path: Path) -> None:
+    sent = message(4, attempt=2, resumed_from=tmp_path)
+    assert decode(encode(sent, tag="t"), tag="t") == sent
     report = Report(1, Phase.SESSION_ENTER, 4, "4", None, True)
     assert decode(encode(report, tag="t"), tag="t") == report
+    bad = encode(message(4, attempt=0), tag="t")
+    with pytest.raises(MessageError, match="an attempt must be a positive integer"):
+        decode(bad, tag="t")

@@ -26,7 +26,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.recovery.lease import Leases
+from neps_bcast.recovery.lease import Leases, left_by_earlier_attempts
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import Terminated, stop_signals
 from neps_bcast.runtime import Runtime
@@ -82,10 +82,11 @@ def evaluate_on_group(
     before NePS chooses the next trial.
     """
     info = neps_compat.current_trial()
+    attempt = 1
     if leases is not None and info.pipeline_directory is not None:
-        leases.take(info.trial_id, info.pipeline_directory)
+        attempt = leases.take(info.trial_id, info.pipeline_directory)
     try:
-        outcome = _hand_and_evaluate(rt, fn, kwargs, root_directory, leases, info)
+        outcome = _hand_and_evaluate(rt, fn, kwargs, root_directory, leases, info, attempt)
     finally:
         if leases is not None:
             leases.drop()
@@ -108,21 +109,31 @@ def _hand_and_evaluate(
     root_directory: Path,
     leases: Leases | None,
     info: neps_compat.NepsTrialInfo,
+    attempt: int = 1,
 ) -> Outcome:
     rt.seq += 1
+    directory = info.pipeline_directory
     message = TrialMessage(
         seq=rt.seq,
         trial_id=info.trial_id,
         kwargs=dict(kwargs),
-        pipeline_directory=info.pipeline_directory,
+        pipeline_directory=directory,
         previous_pipeline_directory=info.previous_pipeline_directory,
         group_generation=rt.next_generation(),
+        attempt=attempt,
+        resumed_from=left_by_earlier_attempts(directory, attempt) if directory else None,
     )
     try:
         rt.send(message)
     except FollowerLostError as exc:
         _abort(rt, info, root_directory, leases, exc)
-    rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
+    rt.log(
+        logging.INFO,
+        "trial %s (#%d) handed to the group%s",
+        message.trial_id,
+        message.seq,
+        f" (attempt {attempt}, resumed from {message.resumed_from})" if attempt > 1 else "",
+    )
     try:
         outcome = evaluate_once(rt, fn, message)
     except FollowerLostError as exc:

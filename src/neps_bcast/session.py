@@ -26,6 +26,13 @@ class Trial:
     is_leader: bool
     pipeline_directory: Path | None
     previous_pipeline_directory: Path | None
+    attempt: int = 1
+    """1 for the trial's first evaluation; n + 1 when n interruptions (preemption, a time
+    limit, a lost rank) put it back to pending before. The same on every rank."""
+    resumed_from: Path | None = None
+    """On a retry, the trial's directory when an earlier attempt left files there (its
+    checkpoint, if it wrote one), else None: resume from it. The same on every rank,
+    decided by the leader (a follower need not see the leader's filesystem)."""
 
 
 @contextmanager
@@ -67,6 +74,8 @@ def session() -> Iterator[Trial]:
         is_leader=rt.group_rank == 0,
         pipeline_directory=message.pipeline_directory,
         previous_pipeline_directory=message.previous_pipeline_directory,
+        attempt=message.attempt,
+        resumed_from=message.resumed_from,
     )
     try:
         yield trial

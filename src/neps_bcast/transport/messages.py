@@ -40,6 +40,11 @@ class TrialMessage:
     group_generation: int | None = None
     """Every rank forms the DDP group again, as this generation, before the trial (the
     leader decides: a failure or user code ended it); None: keep the group as it is."""
+    attempt: int = 1
+    """1 for the trial's first evaluation; n + 1 after n interruptions (preemption, a
+    time limit, a lost rank) put it back to pending."""
+    resumed_from: Path | None = None
+    """On a retry: the trial's directory, when an earlier attempt left files there."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,8 @@ def encode(message: Message, *, tag: str) -> bytes:
         "pipeline_directory": _path_text(message.pipeline_directory),
         "previous_pipeline_directory": _path_text(message.previous_pipeline_directory),
         "group_generation": message.group_generation,
+        "attempt": message.attempt,
+        "resumed_from": _path_text(message.resumed_from),
     }
     return _frame(_TRIAL, header, _pickle_arguments(message, tag))
 
@@ -128,6 +135,8 @@ def decode(payload: bytes, *, tag: str) -> Message:
             pipeline_directory=_path(header.get("pipeline_directory")),
             previous_pipeline_directory=_path(header.get("previous_pipeline_directory")),
             group_generation=_generation(header.get("group_generation")),
+            attempt=_attempt(header.get("attempt")),
+            resumed_from=_path(header.get("resumed_from")),
         )
     except MessageError:
         raise
@@ -146,6 +155,12 @@ def _generation(raw: object) -> int | None:
         return None
     if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
         raise ValueError("a group generation must be a positive integer")
+    return raw
+
+
+def _attempt(raw: object) -> int:
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+        raise ValueError("an attempt must be a positive integer")
     return raw
 
 
