@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -149,13 +150,15 @@ def _hand_and_evaluate(
                 info.pipeline_directory,
                 f"preempted: {exc.how} on the leader (exit code {exc.code})",
             )
+            asks = " asks to requeue" if exc.code == 128 + signal.SIGTERM else ""
             rt.log(
                 logging.WARNING,
-                "%s in trial %s: %s; exit code %s",
+                "%s in trial %s: %s; exit code %s%s",
                 exc.how,
                 info.trial_id,
                 what,
                 exc.code,
+                asks,
             )
         else:
             neps_compat.record_crashed(
