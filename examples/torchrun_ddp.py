@@ -7,14 +7,18 @@ torchrun (one or several nodes) and SLURM's srun.
         examples/torchrun_ddp.py --devices 4 --num-nodes 2
     srun python examples/torchrun_ddp.py --devices 4 --num-nodes 2     # see slurm.sbatch
 
-neps_bcast forms the process group before trial 1; the Trainer finds and reuses it.
-`devices * num_nodes` must equal the launcher's world size (Lightning checks it).
+The Trainer forms the process group in trial 1 (or finds the one neps_bcast formed at
+``session()``) and reuses it. `devices * num_nodes` must equal the launcher's world size
+(Lightning checks it). Under SLURM, Lightning's auto-requeue (``--signal=USR1@90``, see
+slurm_usr1.sbatch) saves ``hpc_ckpt_<n>.ckpt`` into ``default_root_dir``, here the trial's
+own directory, and the requeued job's fit of the same trial resumes from it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 import lightning as L
 import neps
@@ -56,20 +60,25 @@ def data(seed: int) -> DataLoader:
     return DataLoader(TensorDataset(x, x[:, :1] * 2 - x[:, 1:2] ** 2), batch_size=64)
 
 
-def evaluate_pipeline(lr: float, hidden: int) -> float:
+def evaluate_pipeline(pipeline_directory: Path, lr: float, hidden: int) -> float:
     trainer = L.Trainer(
         devices=ARGS.devices,
         num_nodes=ARGS.num_nodes,
         strategy="ddp",
         max_epochs=2,
+        default_root_dir=pipeline_directory,  # SLURM auto-requeue saves and resumes here
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     with neps_bcast.session():
-        trainer.fit(Regressor(lr, hidden), data(0), data(1))
-    return float(trainer.callback_metrics["val_loss"].item())
+        model = Regressor(lr, hidden)
+        trainer.fit(model, data(0), data(1))
+        metrics = trainer.callback_metrics
+        if "val_loss" not in metrics:  # resumed from a checkpoint of its end: no validation
+            metrics = trainer.validate(model, data(1), verbose=False)[0]
+    return float(metrics["val_loss"])
 
 
 def main() -> None:

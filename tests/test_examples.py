@@ -131,3 +131,39 @@ def test_groups_example_under_neps_bcast_launch_as_readme_says(tmp_path: Path) -
         "rank1.log",
         "torchrun.log",
     ]
+
+
+@pytest.mark.timeout(300)
+def test_tutorial_ddp_example_as_readme_says(tmp_path: Path) -> None:
+    # README: torchrun --standalone --nproc-per-node 2 examples/tutorial_ddp.py
+    root = tmp_path / "root"
+    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "examples/tutorial_ddp.py"]
+    run_example([*cmd, "--trials", "3", "--steps", "20", "--root", str(root)], tmp_path)
+    assert_trials(root, 3)
+    for trial in (1, 2, 3):  # rank 0 checkpointed every 10 steps into the trial's own directory
+        assert (root / "configs" / f"config_{trial}" / "checkpoint.pt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_submitit_example_on_this_machine_as_docs_say(tmp_path: Path) -> None:
+    # docs/launching.md: python examples/submitit_search.py --cluster local --trials 4 --tasks 2
+    root = tmp_path / "root"
+    out = run_example(
+        [
+            PYTHON,
+            "examples/submitit_search.py",
+            "--cluster",
+            "local",
+            "--trials",
+            "2",
+            "--tasks",
+            "2",
+            "--root",
+            str(root),
+            "--folder",
+            str(tmp_path / "jobs"),
+        ],
+        tmp_path,
+    )
+    assert_trials(root, 2)
+    assert "['done', 'done']" in out, out  # both tasks' results

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from neps_bcast import leader
 from neps_bcast.compat import lightning as lightning_compat
+from neps_bcast.compat import torch as torch_compat
 from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import NepsBcastError, format_message
@@ -39,6 +40,7 @@ def run(
     fn = _resolve(evaluate_pipeline, launch)
     rt = Runtime(launch, settings, _signer(launch))
     lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
+    torch_compat.keep_groups_alive()  # no trial's group is freed inside the user's code
     atexit.unregister(free_trials_at_exit)  # once, however often run is called
     atexit.register(free_trials_at_exit)
     if launch.kind == "single":
@@ -57,7 +59,8 @@ def run(
                 rt.signer,
                 fingerprint(evaluate_pipeline, pipeline_space, kwargs),
             )
-            rt.owns_group = started.owns_group
+            rt.group.keep = started.users_group
+            rt.launcher_store = started.launcher_store
             rt.observe_group()
             rt.ensure_channel()
             try:
@@ -68,6 +71,7 @@ def run(
             finally:
                 if rt.owns_group and dist.is_initialized():
                     dist.destroy_process_group()
+                rt.launcher_store = None
 
 
 def _signer(launch: Launch) -> Signer:

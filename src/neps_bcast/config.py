@@ -68,8 +68,8 @@ VARIABLES = (
         "NEPS_BCAST_BACKEND",
         "backend",
         None,
-        "backend of the group neps_bcast forms for external launches (default: nccl"
-        " with GPUs, else gloo)",
+        "backend of the group neps_bcast forms for external launches when the user's"
+        " code has formed none by session() (default: nccl with GPUs, else gloo)",
         "text",
     ),
     Variable(

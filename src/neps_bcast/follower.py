@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from neps_bcast.errors import LeaderLostError, SearchStopped
-from neps_bcast.recovery.signals import sigterm_raises
+from neps_bcast.recovery.signals import stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import StopMessage, TrialMessage
 from neps_bcast.trial import evaluate_once
@@ -58,7 +58,7 @@ def run_follower(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) ->
     ``first_contact``: a Lightning child, whose first trial waits in the leader's store.
     """
     try:
-        with sigterm_raises():
+        with stop_signals():
             follow(rt, fn, rt.first_contact() if first_contact else None)
     except LeaderLostError:
         _exit_without_collecting()

@@ -27,11 +27,11 @@ from neps_bcast.errors import (
     format_message,
 )
 from neps_bcast.recovery import settle
-from neps_bcast.recovery.lease import Leases
+from neps_bcast.recovery.lease import Leases, left_by_earlier_attempts
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import (
     raise_waiting_sigterm,
-    sigterm_raises,
+    stop_signals,
     wait_with_sigterm,
 )
 from neps_bcast.runtime import Runtime
@@ -90,11 +90,12 @@ def evaluate_on_group(
     it waits (``signals.wait_with_sigterm``) so that NePS records the result first.
     """
     info = neps_compat.current_trial()
+    attempt = 1
     try:
         raise_waiting_sigterm()  # one that came while NePS sampled: this trial goes back
         if leases is not None and info.pipeline_directory is not None:
-            leases.take(info.trial_id, info.pipeline_directory)
-        outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info)
+            attempt = leases.take(info.trial_id, info.pipeline_directory)
+        outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info, attempt)
     except FollowerLostError as exc:
         _abort(rt, info, root_directory, leases, exc)
     except BaseException as exc:
@@ -125,20 +126,30 @@ def _hand_and_evaluate(
     kwargs: dict[str, Any],
     leases: Leases | None,
     info: neps_compat.NepsTrialInfo,
+    attempt: int = 1,
 ) -> Outcome:
     rt.seq += 1
+    directory = info.pipeline_directory
     message = TrialMessage(
         seq=rt.seq,
         trial_id=info.trial_id,
         kwargs=dict(kwargs),
-        pipeline_directory=info.pipeline_directory,
+        pipeline_directory=directory,
         previous_pipeline_directory=info.previous_pipeline_directory,
         group_generation=rt.next_generation(),
+        attempt=attempt,
+        resumed_from=left_by_earlier_attempts(directory, attempt) if directory else None,
     )
 
     def hand_over() -> None:
         rt.send(message)
-        rt.log(logging.INFO, "trial %s (#%d) handed to the group", message.trial_id, message.seq)
+        rt.log(
+            logging.INFO,
+            "trial %s (#%d) handed to the group%s",
+            message.trial_id,
+            message.seq,
+            f" (attempt {attempt}, resumed from {message.resumed_from})" if attempt > 1 else "",
+        )
 
     outcome = evaluate_once(rt, fn, message, hand_over)
     terminated = _terminated_followers(outcome.failures)
@@ -233,7 +244,7 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
         lightning_compat.before_observer_kills(lambda: let_leader_record(rt, root, leases))
     try:
-        with sigterm_raises():
+        with stop_signals():
             guard.acquire()
             try:
                 overwrite = bool(kwargs.get("overwrite_root_directory"))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+from neps_bcast.compat.torch import Store
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
 from neps_bcast.ddp.group import UserGroup, group_connections
 from neps_bcast.errors import (
@@ -60,7 +61,14 @@ class Runtime:
         # once it exists (before that, joining the channel would deadlock with the
         # leader's init_process_group).
         known = launch.world_size if launch.kind == "external" else None
-        self.group = UserGroup(self.group_rank, known)
+        # Under an external launch the user's code may form (and destroy) the group
+        # itself, every trial: it is formed again before a trial only if the user formed
+        # it before run (``api``), never in the way of the user's init_process_group.
+        self.group = UserGroup(self.group_rank, known, keep=launch.kind != "external")
+        self.launcher_store: Store | None = None
+        """External launches: the launcher's store (torchrun's agent store, or the
+        server rank 0 runs at MASTER_ADDR:MASTER_PORT), held for the whole run so that
+        every trial's group formed on it by the user's code finds it there."""
         self.link = Link(self.group_rank, self.settings, self.signer)
         self.link.peers.relatives = self._relatives
         self._first: tuple[int, bytes] | None = None
@@ -127,6 +135,14 @@ class Runtime:
     def reform_group(self, generation: int) -> None:
         assert self.link.store is not None
         self.group.reform(self.link.store, generation)
+
+    def form_group_for_session(self, seq: int) -> None:
+        """Every rank at ``session()`` of trial ``seq``, where none has a group."""
+        assert self.link.store is not None
+        self.group.form_for_session(
+            self.link.store, seq, self.settings.backend, self.launch.local_rank
+        )
+        self.owns_group = True
 
     # -- messages --------------------------------------------------------------
     def ensure_channel(self) -> bool:

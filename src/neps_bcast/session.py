@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from neps_bcast import runtime as _runtime
+from neps_bcast.compat.torch import is_second_default_group
 from neps_bcast.errors import NepsBcastError, SessionError, format_message
 from neps_bcast.trial import running
 
@@ -25,6 +26,13 @@ class Trial:
     is_leader: bool
     pipeline_directory: Path | None
     previous_pipeline_directory: Path | None
+    attempt: int = 1
+    """1 for the trial's first evaluation; n + 1 when n interruptions (preemption, a time
+    limit, a lost rank) put it back to pending before. The same on every rank."""
+    resumed_from: Path | None = None
+    """On a retry, the trial's directory when an earlier attempt left files there (its
+    checkpoint, if it wrote one), else None: resume from it. The same on every rank,
+    decided by the leader (a follower need not see the leader's filesystem)."""
 
 
 @contextmanager
@@ -66,6 +74,8 @@ def session() -> Iterator[Trial]:
         is_leader=rt.group_rank == 0,
         pipeline_directory=message.pipeline_directory,
         previous_pipeline_directory=message.previous_pipeline_directory,
+        attempt=message.attempt,
+        resumed_from=message.resumed_from,
     )
     try:
         yield trial
@@ -73,8 +83,27 @@ def session() -> Iterator[Trial]:
         run.in_session = False
         if isinstance(exc, NepsBcastError) and run.mine is not None:
             raise  # already reported by this rank
+        if run.formed_group and is_second_default_group(exc):
+            exc = _init_inside_session(rt.tag, exc)
         records = run.fail(exc)
         if not isinstance(exc, Exception):
             raise  # KeyboardInterrupt, SystemExit: reported, and they keep their meaning
         raise run.failed_error(records) from exc
     run.in_session = False
+
+
+def _init_inside_session(tag: str, exc: BaseException) -> SessionError:
+    """The user's init_process_group met the group neps_bcast formed at this session."""
+    error = SessionError(
+        format_message(
+            tag,
+            "dist.init_process_group was called inside neps_bcast.session(), where"
+            " neps_bcast had formed the default group because no rank had one when the"
+            f" session began; torch refuses a second one ({type(exc).__name__}: {exc}).",
+            "call dist.init_process_group before `with neps_bcast.session()` (the session"
+            " then uses your group), or not at all (your code then uses the one neps_bcast"
+            " forms).",
+        )
+    )
+    error.__cause__ = exc
+    return error

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
-from neps_bcast.compat.torch import is_peer_closed
+from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
 from neps_bcast.errors import (
     ErrorRecord,
     NepsBcastError,
@@ -34,7 +34,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.recovery.signals import Terminated
+from neps_bcast.recovery.signals import Terminated, preemption
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
 from neps_bcast.transport.store import ErrorBoard
@@ -49,6 +49,8 @@ class TrialRun:
         self.in_session = False
         self.mine: ErrorRecord | None = None
         """This rank's failure in this trial, once it raised."""
+        self.formed_group = False
+        """neps_bcast formed the default group at this trial's session entry."""
         self._published = False
         self._end_reports: list[Report] | None = None
         """The trial-end exchange, when a peer made it already during session entry."""
@@ -68,7 +70,9 @@ class TrialRun:
 
     def _report(self, phase: Phase) -> Report:
         m = self.message
-        return Report(self.rt.group_rank, phase, m.seq, m.trial_id, self.mine)
+        return Report(
+            self.rt.group_rank, phase, m.seq, m.trial_id, self.mine, self.rt.group.exists()
+        )
 
     # -- the group ---------------------------------------------------------------
     def form_group(self, generation: int) -> None:
@@ -90,8 +94,34 @@ class TrialRun:
         reports = self.rt.exchange(self._report(Phase.SESSION_ENTER))
         if reports is not None:
             self._check_meeting(reports, Phase.SESSION_ENTER)
+            self._form_group_if_none(reports)
         self.rt.observe_group()
         self.in_session = True
+
+    def _form_group_if_none(self, reports: list[Report]) -> None:
+        """External launches: every rank is in its session; if no rank's code formed a
+        group (the user's code forms it later, or uses one without forming it), form
+        one now. A group that only some ranks formed is an error of the user's code."""
+        if self.rt.launch.kind != "external" or self.rt.link.store is None:
+            return  # Lightning's launches: Lightning forms it; no store: nowhere to form it
+        having = [r.group_rank for r in reports if r.has_group]
+        if len(having) == len(reports):
+            return
+        if having:
+            each = ", ".join(
+                f"rank {r.group_rank}: {'formed' if r.has_group else 'none'}" for r in reports
+            )
+            raise ProtocolError(
+                format_message(
+                    self.rt.tag,
+                    "at neps_bcast.session() some ranks have a default process group and"
+                    f" others not; expected the same on every rank, observed {each}.",
+                    "call dist.init_process_group on every rank before"
+                    " `with neps_bcast.session()`, or on none (neps_bcast then forms it).",
+                )
+            )
+        self.rt.form_group_for_session(self.message.seq)
+        self.formed_group = True
 
     def _check_meeting(self, reports: list[Report], phase: Phase) -> None:
         if any(r.phase == Phase.TRIAL_END for r in reports):
@@ -251,14 +281,24 @@ def evaluate_once(
             # the next trial's hand-over met that wait: both hung for ever.)
             if message.group_generation is not None:
                 run.form_group(message.group_generation)
+            if rt.launch.kind == "external":
+                rt.group.name_for_trial()
             result = fn(**message.kwargs)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
         except BaseException as exc:
+            stop = preemption(exc)  # a scheduler's stop, however the user's code exited
+            if stop is not None and stop is not exc:
+                run.interrupted(stop)
+                raise stop from exc
             run.interrupted(exc)
             raise
         rt.check_stopped()  # the leader stopped mid-trial: nothing left to meet
-        return Outcome(result, error, run.end(error))
+        failures = run.end(error)
+        # Every rank's code has returned: the groups it destroyed, kept alive until now
+        # (see ``compat.torch.keep_groups_alive``), are freed here.
+        release_destroyed_groups()
+        return Outcome(result, error, failures)
 
 
 def sort_records(records: list[ErrorRecord]) -> list[ErrorRecord]:

@@ -40,6 +40,21 @@ def current_trial() -> NepsTrialInfo:
     )
 
 
+def trial_files() -> frozenset[str]:
+    """The files NePS itself writes into a trial's directory (config, report, metadata,
+    previous trial id): anything else there was written by the user's code."""
+    from neps.state.filebased import ReaderWriterTrial
+
+    return frozenset(
+        {
+            ReaderWriterTrial.CONFIG_FILENAME,
+            ReaderWriterTrial.REPORT_FILENAME,
+            ReaderWriterTrial.METADATA_FILENAME,
+            ReaderWriterTrial.PREVIOUS_TRIAL_ID_FILENAME,
+        }
+    )
+
+
 # -- the NePS root directory (used by neps_bcast.recovery.root_lock) ---------------------------
 ROOT_DIRECTORY_DEFAULT = "neps_results"
 """``neps.run``'s default ``root_directory``."""

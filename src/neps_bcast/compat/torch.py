@@ -7,12 +7,17 @@
 - The control channel is a raw ``ProcessGroupGloo`` that is never registered with
   c10d, so user code and Lightning cannot see it or destroy it.
 - An NCCL group is aborted with the private ``_abort_process_group``.
+- The default group's name (and so the prefix of its keys on the store it is formed
+  on) comes from c10d's private group counter, ``_world.group_count``.
+- Whether ``init_process_group`` refused to form a second default group is told from
+  its text.
 - Whether an error was caused by a peer leaving is told from gloo's and c10d's texts.
 """
 
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +26,7 @@ from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 __all__ = [
     "GROUP_GONE_MARKERS",
     "PEER_CLOSED_MARKERS",
+    "SECOND_DEFAULT_GROUP",
     "PrefixStore",
     "Store",
     "TCPStore",
@@ -28,7 +34,11 @@ __all__ = [
     "close_gloo_group",
     "gloo_allgather",
     "is_peer_closed",
+    "is_second_default_group",
+    "keep_groups_alive",
+    "name_next_group",
     "new_gloo_group",
+    "release_destroyed_groups",
     "reset_group_names",
     "set_bytes",
 ]
@@ -93,6 +103,77 @@ def reset_group_names() -> None:
     on this rank and wait for ever (seen after a "connectFullMesh failed" in CI).
     """
     dist.distributed_c10d._world.group_count = 0
+
+
+def name_next_group(number: int) -> None:
+    """Name the next default group ``str(number)``, and with it the prefix of its keys.
+
+    ``init_process_group`` names the default group after c10d's group counter, and every
+    key of its rendezvous lives under that name on the store it is formed on (under
+    ``default_pg/`` for ``env://`` and ``tcp://``). ``destroy_process_group()`` sets the
+    counter back to 0, so a group formed again on the same store (torchrun's agent store,
+    or a rank-0 server that outlives the group) meets the keys of the one before it:
+    measured on torch 2.13, a second ``init_process_group("gloo")`` after every rank had
+    destroyed the first read the first group's addresses and failed with "Gloo
+    connectFullMesh failed ... Connection refused" in 2 of 2 launches (torchrun and
+    env://), within its first 4 rounds; with a new name per round, 10 of 10 rounds
+    formed, in both.
+    """
+    dist.distributed_c10d._world.group_count = number
+
+
+SECOND_DEFAULT_GROUP = "trying to initialize the default process group twice"
+"""torch's text when ``init_process_group`` is called while a default group exists."""
+
+
+def is_second_default_group(exc: BaseException) -> bool:
+    return isinstance(exc, ValueError) and SECOND_DEFAULT_GROUP in str(exc)
+
+
+class _KeptGroups(dict):  # type: ignore[type-arg]  # c10d's own, untyped at runtime
+    """c10d's registry of process groups that also holds every group put in it until
+    ``release_destroyed_groups`` (a dict: c10d gets, sets, pops, clears and iterates it)."""
+
+    def __init__(self, registry: dict[Any, Any]) -> None:
+        super().__init__(registry)
+        self.kept: list[Any] = list(registry)
+
+    def __setitem__(self, group: Any, value: Any) -> None:
+        if all(group is not g for g in self.kept):
+            self.kept.append(group)
+        super().__setitem__(group, value)
+
+
+def keep_groups_alive() -> None:
+    """From now on (once per process), every process group registered with c10d is also
+    referenced here, until ``release_destroyed_groups``.
+
+    Why: torch's DDP ``Reducer`` holds its group from C++, and its Python binding frees it
+    with the GIL held. When the user's code destroyed the group first (PyTorch's DDP
+    tutorial does, then returns and frees the model), the Reducer's free destroys the
+    gloo group, which joins its worker threads while holding the GIL, and a worker that
+    is still freeing the last collective's tensor waits for the GIL: a deadlock. Measured
+    on torch 2.13 with plain torch (no neps_bcast): the tutorial's function called 40
+    times in one process under torchrun deadlocked so in 8 of 8 runs; with the groups
+    kept until the ranks had met after each call, 3 of 3 runs finished. A group whose last
+    reference is this one is freed through its own binding, which releases the GIL.
+    """
+    c10d = dist.distributed_c10d
+    if not isinstance(c10d._pg_map, _KeptGroups):
+        c10d._pg_map = _KeptGroups(c10d._pg_map)
+
+
+def release_destroyed_groups() -> int:
+    """Drop the reference to every kept group that c10d no longer has (the user's code or
+    neps_bcast destroyed it); how many. Call it once the trial's code has returned."""
+    registry = dist.distributed_c10d._pg_map
+    if not isinstance(registry, _KeptGroups):
+        return 0
+    gone = [g for g in registry.kept if g not in registry]
+    registry.kept = [g for g in registry.kept if g in registry]
+    count = len(gone)
+    del gone  # freed here, through the groups' own bindings (GIL released)
+    return count
 
 
 def abort_nccl() -> None:

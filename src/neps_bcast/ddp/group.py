@@ -3,7 +3,18 @@
 The group belongs to the user's code (Lightning, Fabric, a plain DDP loop): neps_bcast
 only learns its size, rank and backend while it exists, releases it when a rank fails
 (so that peers blocked in its collectives fail at once instead of after the group
-timeout), and forms it again before the next trial on the leader's store.
+timeout), and forms one only where the user's code expects one it did not form:
+
+- Lightning's own launches (``keep``): the group Lightning formed in trial 1 is formed
+  again before the next trial on the leader's store once a failure released it; so is
+  a group the user formed before ``neps_bcast.run``.
+- External launches (torchrun, srun): never before a trial, because the user's code may
+  form the group itself, every trial (PyTorch's DDP tutorial does: ``init_process_group``
+  at the start of the function, ``destroy_process_group`` at its end). Each trial names
+  the next default group after itself (``name_for_trial``), so a group formed again on
+  the launcher's store (torchrun's agent store, rank 0's server) never meets the keys of
+  the previous trial's. If, at ``session()``, no rank has a group, neps_bcast forms one
+  there (``form_for_session``) for code that uses it without forming it.
 
 Releasing exactly the group. A gloo pair is one TCP connection between two ranks of the
 group, to a listening port of one of them; DDP keeps the group alive while it is
@@ -26,9 +37,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.distributed as dist
 
 from neps_bcast.compat import torch as torch_compat
@@ -76,13 +89,15 @@ def group_connections(
 class UserGroup:
     """What this rank knows of the user's group, and the three things done to it."""
 
-    def __init__(self, group_rank: int, world_size: int | None) -> None:
+    def __init__(self, group_rank: int, world_size: int | None, *, keep: bool = True) -> None:
         self.group_rank = group_rank
         self.world_size = world_size
         """``None`` until the group exists (a Lightning leader before its first fit)."""
         self.backend: str | None = None
         self.broken = False
         self.generation = 0
+        self.keep = keep
+        """Form the group again before a trial once a release (or user code) ended it."""
 
     @staticmethod
     def exists() -> bool:
@@ -138,7 +153,7 @@ class UserGroup:
         self.broken = True
 
     def needs_reform(self) -> bool:
-        return (self.world_size or 0) > 1 and (self.broken or not self.exists())
+        return self.keep and (self.world_size or 0) > 1 and (self.broken or not self.exists())
 
     def next_generation(self) -> int | None:
         """Leader, before handing a trial: the generation to form it as, if it must be."""
@@ -152,17 +167,8 @@ class UserGroup:
         and reuses it. Every rank forms the generation the leader chose, whatever its
         own view of the group, so they always meet under the same prefix.
         """
-        if self.world_size is None:
-            raise ProtocolError(
-                format_message(
-                    rank_tag(),
-                    "asked to form the DDP group again before its size is known.",
-                    "this is a bug in neps_bcast; please report it with every rank's log.",
-                )
-            )
         if self.exists():
             dist.destroy_process_group()
-        torch_compat.reset_group_names()  # a failed init left it one up
         self.generation = generation
         backend = self.backend or "gloo"
         logger.log(
@@ -171,10 +177,61 @@ class UserGroup:
             backend,
             self.generation,
         )
+        self._form(backend, prefixed(Keys.group(self.generation), store))
+
+    def name_for_trial(self) -> None:
+        """Before each trial (external launches, every rank): the next default group,
+        whoever forms it, gets a name no group of this process had, the same on every
+        rank (every rank evaluates every trial).
+
+        Its keys then live under a prefix of their own on whatever store it is formed
+        on, so a group formed again on the launcher's store, which outlives every
+        trial, never reads the addresses of the previous trial's group (see
+        ``compat.torch.name_next_group``). A group that still exists is left as it is.
+        """
+        number = next(_TRIAL_NAMES)
+        if self.exists():
+            return
+        self.broken = False  # the previous trial's group is gone; the next is new
+        torch_compat.name_next_group(number)
+
+    def form_for_session(
+        self, store: torch_compat.Store, seq: int, backend: str | None, local_rank: int
+    ) -> str:
+        """At ``session()``, where no rank's code formed a group: form it (on the
+        leader's store, under the trial's own prefix); returns the backend."""
+        chosen = backend or _default_backend(local_rank)
+        logger.log(logging.INFO, "forming the DDP group for trial #%d (%s)", seq, chosen)
+        self._form(chosen, prefixed(Keys.trial_group(seq), store))
+        return chosen
+
+    def _form(self, backend: str, store: torch_compat.Store) -> None:
+        if self.world_size is None:
+            raise ProtocolError(
+                format_message(
+                    rank_tag(),
+                    "asked to form the DDP group before its size is known.",
+                    "this is a bug in neps_bcast; please report it with every rank's log.",
+                )
+            )
+        torch_compat.reset_group_names()  # a failed init left it one up
         dist.init_process_group(
-            backend,
-            store=prefixed(Keys.group(self.generation), store),
-            rank=self.group_rank,
-            world_size=self.world_size,
+            backend, store=store, rank=self.group_rank, world_size=self.world_size
         )
+        self.backend = backend
         self.broken = False
+
+
+_TRIAL_NAMES = itertools.count(1_000_001)
+"""Names of the default groups formed in trials, one per trial this process evaluated
+(in every ``neps_bcast.run`` call: a second search on the same launcher store must not
+meet the first one's keys either). torch names groups from 0 up; a group's own
+``new_group``s are named, and keep their keys, under its name."""
+
+
+def _default_backend(local_rank: int) -> str:
+    """NCCL (on this rank's GPU) when there are GPUs, else gloo."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return "nccl"
+    return "gloo"

@@ -15,6 +15,8 @@ import traceback
 
 import torch.distributed as dist
 
+from neps_bcast.compat.torch import release_destroyed_groups
+
 
 def drop_finished_frames(exc: BaseException | None) -> None:
     """Clear the local variables of every finished frame that ``exc`` and the errors
@@ -61,3 +63,4 @@ def free_trials_at_exit() -> None:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     gc.collect()
+    release_destroyed_groups()  # after the collection: no DDP Reducer frees a group last

@@ -25,6 +25,10 @@ after ``NEPS_BCAST_MAX_RETRIES`` of them the trial is recorded ``crashed`` with 
 history instead. An error raised by the user's code is not an interruption: NePS
 records it ``crashed`` as always, and it is never retried.
 
+An interrupted trial's next evaluation is told which attempt it is and whether an
+earlier attempt left files in the trial's directory (``resumed_from``): the user's code
+can then resume from its own checkpoint there.
+
 Leaders look for orphans when they start (holding the root lock, before NePS samples)
 and after each of their trials (before NePS chooses the next one).
 """
@@ -41,6 +45,7 @@ from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import Settings
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease_file import (
+    LEASE_FILE,
     Attempt,
     Lease,
     Owner,
@@ -70,13 +75,14 @@ class Leases:
         logger.log(level, message, *args)
 
     # -- this leader's own trial ------------------------------------------------
-    def take(self, trial_id: str, trial_dir: Path) -> None:
-        """This leader evaluates ``trial_id`` now: record it and keep it renewed."""
+    def take(self, trial_id: str, trial_dir: Path) -> int:
+        """This leader evaluates ``trial_id`` now: record it and keep it renewed.
+
+        Returns the attempt this is: 1, or n + 1 after n interruptions put it back."""
         now = time.time()
         previous = read_lease(trial_dir)
-        lease = Lease(
-            trial_id, self.me, now, now, previous.attempts if previous is not None else ()
-        )
+        attempts = previous.attempts if previous is not None else ()
+        lease = Lease(trial_id, self.me, now, now, attempts)
         write_lease(trial_dir, lease)
         with self._lock:
             self._held = (trial_dir, lease)
@@ -85,6 +91,7 @@ class Leases:
                 target=self._renew, name="neps_bcast-heartbeat", daemon=True
             )
             self._thread.start()
+        return len(attempts) + 1
 
     def drop(self) -> None:
         """The trial ended (NePS records it): stop renewing its lease."""
@@ -210,3 +217,18 @@ class Leases:
             return f"recorded crashed after {count} interruptions"
         book.set_pending(trial_id)
         return f"back to pending (interruption {count} of at most {self.max_retries} retried)"
+
+
+def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:
+    """On a retry (``attempt`` > 1): ``trial_dir`` when an earlier attempt wrote anything
+    there besides NePS's and neps_bcast's own files (a checkpoint), else None."""
+    if attempt <= 1:
+        return None
+    ours = neps_compat.trial_files()
+    try:
+        for entry in trial_dir.iterdir():
+            if entry.name not in ours and not entry.name.startswith(LEASE_FILE):
+                return trial_dir
+    except OSError as exc:
+        logger.log(logging.WARNING, "could not look into %s: %s", trial_dir, exc)
+    return None

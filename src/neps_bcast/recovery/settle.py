@@ -15,6 +15,7 @@ exit code.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 from neps_bcast.compat import neps as neps_compat
@@ -34,13 +35,13 @@ def interrupted(
     try:
         if isinstance(exc, Terminated) and leases is not None and info.pipeline_directory:
             what = leases.give_back(
-                info.trial_id, info.pipeline_directory, f"preempted: SIGTERM to the leader ({exc})"
-            )
-            logger.warning(
-                "SIGTERM in trial %s: %s; exit code %s asks to requeue",
                 info.trial_id,
-                what,
-                exc.code,
+                info.pipeline_directory,
+                f"preempted: {exc.how} on the leader (exit code {exc.code})",
+            )
+            asks = " asks to requeue" if exc.code == 128 + signal.SIGTERM else ""
+            logger.warning(
+                "%s in trial %s: %s; exit code %s%s", exc.how, info.trial_id, what, exc.code, asks
             )
         else:
             neps_compat.record_crashed(

@@ -1,27 +1,69 @@
-"""SIGTERM as an exception, so that the running trial is recorded before the process ends.
+"""The signals a scheduler stops a job with: chained to the handlers already there, and
+the running trial put back to pending whoever handled them.
 
-SLURM preemption, ``scancel`` and a time limit send SIGTERM. Python's default ends the
-process at once, leaving the trial "evaluating" in NePS; inside ``neps_bcast.run`` it
-raises ``Terminated`` (a ``SystemExit`` with code 128 + 15) instead, so the trial fails
-on every rank like any error and the leader records it. Only the first SIGTERM raises:
-a second one (``scancel`` twice, a launcher forwarding it again) arriving while the
-trial is being recorded is ignored, so the record is not cut short.
+SLURM ends a job with SIGTERM (preemption, ``scancel``, ``scontrol requeue``, the time
+limit) and, when asked (``--signal=USR1@90``; submitit asks for USR2), first with a
+signal of the user's choice, which the job's own handler answers by saving a checkpoint,
+requeuing the job and exiting. Neither is the trial's fault: the trial goes back to
+pending and the requeued job evaluates it first. Inside ``neps_bcast.run``:
+
+- SIGTERM raises ``Terminated`` (a ``SystemExit`` with code 128 + 15, "requeue me"),
+  after the handler installed before ``run`` (submitit's, the user's, Lightning's) has
+  run: chained, never replaced. Python's default would end the process at once and
+  leave the trial "evaluating". Only the first stop counts: a second SIGTERM (``scancel``
+  twice, a launcher forwarding it again) arriving while the trial is recorded is
+  ignored, so the record is not cut short. While NePS's own code runs between two
+  trials, the stop waits for our next step (``wait_with_sigterm``).
+- A handler of SIGUSR1 or SIGUSR2 installed before ``run`` is chained the same way (so
+  its signal is noted); none is installed where there is none (Lightning installs its
+  SLURM auto-requeue handler only where no USR1 handler exists).
+- A ``SystemExit`` that ends a trial after such a signal arrived in this process, or
+  that was raised inside the handler of one (installed whenever, by whomever), is a
+  stop by the scheduler: it becomes ``Terminated`` with the exit code the user's code
+  chose (``preemption``). A ``sys.exit`` without a stop signal stays the user's own
+  stop, and so does Ctrl-C.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import signal
 import threading
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""What a scheduler stops a job with (SIGTERM always; USR1/USR2 with ``--signal``)."""
 
 
 class Terminated(SystemExit):
-    """SIGTERM (e.g. SLURM preemption) turned into an exception, so the trial is recorded."""
+    """A stop by the scheduler (SIGTERM, or a job's own handler of its time-limit
+    signal exiting), turned into an exception, so the trial is put back to pending."""
+
+    def __init__(self, code: Any, how: str = "SIGTERM") -> None:
+        super().__init__(code)
+        self.how = how
+        """What stopped it: "SIGTERM", or e.g. "SystemExit(0) in the SIGUSR1 handler"."""
 
 
-_waiting = False
-_pending: Terminated | None = None
+class _State:
+    """This process's stop signals (signals are handled in the main thread only)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        """Stop signals that arrived while a handler of ours was installed."""
+        self.stopping = False
+        """A stop was raised: later SIGTERMs are ignored."""
+        self.waiting = False
+        """A stop waits for ``raise_waiting_sigterm`` instead of raising."""
+        self.pending: Terminated | None = None
+        """The stop that came while waiting."""
+
+
+_STATE = _State()
 
 
 def wait_with_sigterm() -> None:
@@ -33,46 +75,146 @@ def wait_with_sigterm() -> None:
     "evaluating". The signal is raised at our next step instead: when NePS hands over
     the next trial (which then goes back to pending) or when ``neps.run`` returns.
     """
-    global _waiting  # noqa: PLW0603 - the handler runs in the main thread only
-    _waiting = True
+    _STATE.waiting = True
 
 
 def raise_waiting_sigterm() -> None:
     """Stop waiting; raise the SIGTERM that came while waiting, if one did."""
-    global _waiting, _pending  # noqa: PLW0603
-    _waiting = False
-    pending, _pending = _pending, None
+    _STATE.waiting = False
+    pending, _STATE.pending = _STATE.pending, None
     if pending is not None:
         raise pending
 
 
+def _stop(stop: Terminated) -> None:
+    """Raise ``stop`` now, or keep it for ``raise_waiting_sigterm`` while waiting."""
+    _STATE.stopping = True
+    if _STATE.waiting:
+        _STATE.pending = stop
+        return
+    raise stop
+
+
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """Inside the block, SIGTERM raises ``Terminated`` (unless someone else handles it)."""
-    if threading.current_thread() is not threading.main_thread() or (
-        signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
-    ):
+def stop_signals() -> Iterator[None]:
+    """Inside the block, SIGTERM raises ``Terminated`` after the handler already installed
+    has run, and the handlers of SIGUSR1/SIGUSR2 already installed are chained."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    terminating = False
-
-    def handler(signum: int, _frame: object) -> None:
-        nonlocal terminating
-        if terminating:
-            return  # a second SIGTERM must not interrupt the recording of the first
-        terminating = True
-        error = Terminated(128 + signum)
-        if _waiting:
-            global _pending  # noqa: PLW0603
-            _pending = error
-            return
-        raise error
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    _STATE.received.clear()
+    _STATE.stopping = False
+    _STATE.waiting, _STATE.pending = False, None
+    installed: dict[int, tuple[Any, Callable[[int, Any], None]]] = {}
+    for signum in STOP_SIGNALS:
+        previous = signal.getsignal(signum)
+        if signum == signal.SIGTERM and previous == signal.SIG_IGN:
+            continue  # the user ignores SIGTERM on purpose
+        if signum != signal.SIGTERM and not callable(previous):
+            continue
+        ours = _chained(signum, previous)
+        signal.signal(signum, ours)
+        installed[signum] = (previous, ours)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        global _waiting, _pending
-        _waiting, _pending = False, None
+        for number, (previous, ours) in installed.items():
+            if signal.getsignal(number) is ours:  # unless someone replaced ours since
+                signal.signal(number, previous)
+        _STATE.waiting, _STATE.pending = False, None
+
+
+def _chained(signum: int, previous: Any) -> Callable[[int, Any], None]:
+    name = signal.Signals(signum).name
+
+    def handler(received: int, frame: types.FrameType | None) -> None:
+        _STATE.received.append(received)
+        if received == signal.SIGTERM and _STATE.stopping:
+            return  # a second SIGTERM must not interrupt the recording of the first
+        try:
+            if callable(previous):
+                previous(received, frame)
+        except SystemExit as exc:
+            if isinstance(exc, Terminated):
+                raise
+            stop = Terminated(exc.code, f"{_describe(exc)} in the {name} handler")
+            stop.__cause__ = exc
+            _stop(stop)
+            return
+        if received == signal.SIGTERM:
+            _stop(Terminated(128 + received))
+
+    handler.neps_bcast_chained = previous  # type: ignore[attr-defined]  # for tests and debugging
+    return handler
+
+
+def preemption(exc: BaseException) -> Terminated | None:
+    """``exc`` as a stop by the scheduler, or None when it is something else.
+
+    ``Terminated`` itself; a ``SystemExit`` raised after a stop signal arrived in this
+    process, or inside the current handler of a stop signal (the user's "requeue and
+    exit", whether it was installed before ``run`` or inside the trial).
+    """
+    if isinstance(exc, Terminated):
+        return exc
+    if not isinstance(exc, SystemExit):
+        return None
+    received = [signal.Signals(s).name for s in dict.fromkeys(_STATE.received)]
+    in_handler = _stop_handler_raising(exc)
+    if in_handler is not None:
+        how = f"{_describe(exc)} in the {in_handler} handler"
+    elif received:
+        how = f"{_describe(exc)} after {', '.join(received)}"
+    else:
+        return None
+    _STATE.stopping = True
+    stop = Terminated(exc.code, how)
+    stop.__cause__ = exc
+    return stop
+
+
+def _describe(exc: SystemExit) -> str:
+    return f"SystemExit({exc.code!r})"
+
+
+def _stop_handler_raising(exc: BaseException) -> str | None:
+    """The stop signal whose current handler's code is on ``exc``'s traceback, if any."""
+    codes: dict[types.CodeType, str] = {}
+    for signum in STOP_SIGNALS:
+        for code in _codes_of(signal.getsignal(signum)):
+            codes.setdefault(code, signal.Signals(signum).name)
+    if not codes:
+        return None
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        tb = current.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code in codes:
+                return codes[tb.tb_frame.f_code]
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _codes_of(handler: Any, depth: int = 0) -> list[types.CodeType]:
+    """The code objects a handler runs first: a function, a bound method, a partial, a
+    callable object, or one of ours chaining another (followed, a few levels deep)."""
+    if depth > 4 or not callable(handler):
+        return []
+    found: list[types.CodeType] = []
+    target = handler.func if isinstance(handler, functools.partial) else handler
+    target = getattr(target, "__func__", target)
+    code = getattr(target, "__code__", None)
+    if isinstance(code, types.CodeType):
+        found.append(code)
+    elif not isinstance(target, types.BuiltinFunctionType):
+        call = inspect.getattr_static(type(target), "__call__", None)
+        code = getattr(call, "__code__", None)
+        if isinstance(code, types.CodeType):
+            found.append(code)
+    chained = getattr(handler, "neps_bcast_chained", None)
+    if chained is not None:
+        found += _codes_of(chained, depth + 1)
+    return found

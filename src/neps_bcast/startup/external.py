@@ -1,12 +1,19 @@
 """Externally launched ranks (torchrun, ``srun``, plain ``RANK``/``WORLD_SIZE``): start.
 
-All ranks start together: they meet (bounded), form the group, and join the channel.
-The ranks first meet on the launcher's rendezvous store: a rank that never calls
-``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of hanging in
-``init_process_group``. The default group is then formed on that same store (Lightning,
-Fabric and plain DDP code find it and reuse it), and over the group the ranks compare
-their arguments, agree on the secret and learn the address of the leader's control
-store (``handshake``): nothing a rank trusts is read from the launcher's store.
+All ranks start together: they meet (bounded), agree on the secret, and join the
+channel. The ranks first meet on the launcher's rendezvous store: a rank that never
+calls ``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of
+hanging. Then, over a gloo group of neps_bcast's own formed on that store for the
+handshake only (``handshake.standalone``), the ranks compare their arguments, agree
+on the secret and learn the address of the leader's control store (``handshake``):
+nothing a rank trusts is read from the launcher's store.
+
+No default process group is formed here: the user's code may form it itself, every
+trial (PyTorch's DDP tutorial does), and a second ``init_process_group`` would raise.
+Lightning and Fabric form it when they find none; code that uses one without forming it
+gets one at ``session()`` (``ddp.group``). The launcher's store is held for the whole
+run: every group formed with ``env://`` meets on it (rank 0's server is shared with
+torch's, ``multi_tenant``), and each trial's group keeps its keys apart by its name.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ import datetime
 import socket
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from neps_bcast.compat import torch as _tc
@@ -33,20 +39,22 @@ from neps_bcast.transport.link import Link
 class Started:
     """What ``start`` leaves to its caller, who joins the channel next."""
 
-    owns_group: bool
-    """neps_bcast formed the default group (and destroys it at the end)."""
+    users_group: bool
+    """The user's code formed the default group before ``neps_bcast.run``."""
+    launcher_store: _tc.Store | None = None
+    """The launcher's store, to be held for the whole run (see the module docstring)."""
 
 
 def start(
     launch: Launch, settings: Settings, link: Link, signer: Signer, fingerprint: dict[str, str]
 ) -> Started:
-    """Meet, agree on the secret, form the group (unless the user did), reach the leader.
+    """Meet, agree on the secret, reach the leader; the default group is left to the user.
 
     The caller then joins the control channel (``Runtime.ensure_channel``).
     """
     if dist.is_initialized():
         _hand_over_on_the_users_group(launch, settings, link, signer, fingerprint)
-        return Started(owns_group=False)
+        return Started(users_group=True)
     if launch.main_address is None or launch.main_port is None:
         raise LaunchError(
             format_message(
@@ -59,17 +67,12 @@ def start(
     join_timeout = datetime.timedelta(seconds=settings.join_timeout_s)
     store = rendezvous.rendezvous_store(launch, join_timeout)
     prefix = rendezvous.meet(launch, store, join_timeout).prefix
-    backend = _backend(launch, settings)
-    logger.debug("forming the DDP group (%s)", backend)
-    dist.init_process_group(
-        backend,
-        store=_tc.PrefixStore(f"{prefix}/pg", store),
-        rank=launch.global_rank,
-        world_size=launch.world_size,
-    )
-    with handshake.control_group() as group:
+    handshake_store = _tc.PrefixStore(f"{prefix}/handshake", store)
+    with handshake.standalone(
+        handshake_store, launch.global_rank, launch.world_size, join_timeout
+    ) as group:
         _hand_over(launch, settings, link, signer, fingerprint, group)
-    return Started(owns_group=True)
+    return Started(users_group=False, launcher_store=store)
 
 
 def _hand_over(
@@ -78,7 +81,7 @@ def _hand_over(
     link: Link,
     signer: Signer,
     fingerprint: dict[str, str],
-    group: dist.ProcessGroup | None,
+    group: handshake.Ranks,
 ) -> None:
     """Agree on the secret and reach the leader over ``group`` (``handshake``).
 
@@ -114,15 +117,6 @@ def _hand_over_on_the_users_group(
     pickle, and the same warning when the secret must cross hosts in the clear."""
     with handshake.control_group() as group:
         _hand_over(launch, settings, link, signer, fingerprint, group)
-
-
-def _backend(launch: Launch, settings: Settings) -> str:
-    if settings.backend:
-        return settings.backend
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():
-        torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-        return "nccl"
-    return "gloo"
 
 
 def _leader_address(launch: Launch, settings: Settings) -> str:

@@ -1,8 +1,10 @@
 """How the ranks of a group agree on the search's secret and identity, over the group.
 
-Runs on every rank once the group exists (the default group neps_bcast formed, or the
-one the user formed before ``neps_bcast.run``), before trial 1. Everything travels over
-the group's own connections, as plain bytes in tensors (never a pickle); nothing is read
+Runs on every rank before trial 1, over a group of all the ranks: a gloo group of
+neps_bcast's own, formed on the launcher's store and closed again (``standalone``;
+no default group is formed, the user's code may form that itself), or the group the
+user formed before ``neps_bcast.run`` (``control_group``). Everything travels over the
+group's own connections, as plain bytes in tensors (never a pickle); nothing is read
 from a store, where anyone who reaches the port can write.
 
 1. **Records.** Every rank gathers every rank's record: pid, host, the fingerprint of
@@ -28,17 +30,20 @@ from a store, where anyone who reaches the port can write.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import os
 import secrets
 import socket
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from neps_bcast.compat import torch as tc
 from neps_bcast.errors import AuthError, LaunchError, format_message
 from neps_bcast.log import logger, role_tag
 from neps_bcast.startup import rendezvous
@@ -58,18 +63,48 @@ FILE_HINT = (
 )
 
 
+@dataclass
+class Ranks:
+    """The group the handshake talks on: a c10d group (``group``; None: the default),
+    or a gloo group c10d does not know about (``gloo``)."""
+
+    world_size: int
+    group: dist.ProcessGroup | None = None
+    gloo: dist.ProcessGroupGloo | None = None
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        if self.gloo is not None:
+            tc.gloo_allgather(self.gloo, outputs, tensor)
+        else:
+            dist.all_gather(outputs, tensor, group=self.group)
+
+
 @contextlib.contextmanager
-def control_group() -> Iterator[dist.ProcessGroup | None]:
-    """The group the handshake talks on: the default group when it is gloo, otherwise a
-    gloo group of the same ranks (control messages never go through NCCL)."""
+def control_group() -> Iterator[Ranks]:
+    """The user's default group when it is gloo, otherwise a gloo group of the same
+    ranks (control messages never go through NCCL)."""
     if dist.get_backend() == "gloo":
-        yield None
+        yield Ranks(dist.get_world_size())
         return
     gloo = dist.new_group(backend="gloo")
     try:
-        yield gloo
+        yield Ranks(dist.get_world_size(), group=gloo)
     finally:
         dist.destroy_process_group(gloo)
+
+
+@contextlib.contextmanager
+def standalone(
+    store: tc.Store, rank: int, world_size: int, timeout: datetime.timedelta
+) -> Iterator[Ranks]:
+    """A gloo group of every rank on ``store`` (the launcher's, under this attempt's
+    prefix), for the handshake only: closed before the user's code runs, and never the
+    default group, which the user's code may form itself."""
+    gloo = tc.new_gloo_group(store, rank, world_size, timeout)
+    try:
+        yield Ranks(world_size, gloo=gloo)
+    finally:
+        tc.close_gloo_group(gloo)
 
 
 def _frame(data: bytes) -> torch.Tensor:
@@ -94,29 +129,23 @@ def _checked_size(size: int, tag: str) -> int:
     return size
 
 
-def gather(group: dist.ProcessGroup | None, data: bytes, tag: str) -> list[bytes]:
+def gather(ranks: Ranks, data: bytes, tag: str) -> list[bytes]:
     """Every rank's ``data``, by rank (two all-gathers: the sizes, then the bytes)."""
-    world = dist.get_world_size(group)
+    world = ranks.world_size
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    ranks.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
     lengths = [_checked_size(int(s.item()), tag) for s in sizes]
     longest = max(lengths)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[: len(data)] = _frame(data)
     out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
+    ranks.all_gather(out, mine)
     return [t.numpy().tobytes()[:n] for t, n in zip(out, lengths, strict=True)]
 
 
-def broadcast(group: dist.ProcessGroup | None, data: bytes | None, tag: str) -> bytes:
-    """The leader's ``data`` on every rank (two broadcasts: the size, then the bytes)."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, group=group, group_src=0)
-    length = _checked_size(int(size.item()), tag)
-    buffer = _frame(data) if data is not None else torch.empty(length, dtype=torch.uint8)
-    if length:
-        dist.broadcast(buffer, group=group, group_src=0)
-    return data if data is not None else buffer.numpy().tobytes()
+def broadcast(ranks: Ranks, data: bytes | None, tag: str) -> bytes:
+    """The leader's ``data`` on every rank (a gather, the followers sending nothing)."""
+    return gather(ranks, data if data is not None else b"", tag)[0]
 
 
 def _json(raw: bytes, what: str, tag: str) -> dict[str, Any]:
@@ -151,7 +180,7 @@ def hand_over(
     user_secret: bytes | None,
     refusal: str | None,
     address: Callable[[int], str],
-    group: dist.ProcessGroup | None,
+    group: Ranks,
 ) -> None:
     """The whole handshake (see the module docstring); on success the leader serves its
     store and every follower is connected to it, with ``signer`` set to the search's key
@@ -166,7 +195,7 @@ class _Handshake:
         link: Link,
         signer: Signer,
         user_secret: bytes | None,
-        group: dist.ProcessGroup | None,
+        group: Ranks,
     ) -> None:
         self.launch = launch
         self.rank = launch.global_rank
@@ -174,7 +203,7 @@ class _Handshake:
         self.signer = signer
         self.user_secret = user_secret
         self.group = group
-        self.tag = role_tag(self.rank, dist.get_world_size(group))
+        self.tag = role_tag(self.rank, group.world_size)
         self.challenge = secrets.token_bytes(16)
         self.file_name = secret_file_name(launch)
         self.is_single_host = True

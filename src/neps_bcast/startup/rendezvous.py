@@ -14,10 +14,11 @@ the group exists, the ranks compare a fingerprint of their ``neps_bcast.run``
 arguments over it (``startup/handshake.py`` gathers them, ``compare`` raises the same
 error on every rank, listing each rank's value).
 
-The store is the one ``init_process_group`` then uses: torchrun's agent store when
-torchrun says to reuse it (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise a
-``TCPStore`` that rank 0 serves at ``MASTER_ADDR:MASTER_PORT`` (as torch's ``env://``
-does).
+The store is the one an ``env://`` ``init_process_group`` then uses: torchrun's agent
+store when torchrun says to reuse it (``TORCHELASTIC_USE_AGENT_STORE=True``), otherwise
+a ``TCPStore`` that rank 0 serves at ``MASTER_ADDR:MASTER_PORT``, as torch's ``env://``
+does, and as torch does it ``multi_tenant``: a group the user's code forms there later
+shares this server (a second server on the port would fail with "address in use").
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def rendezvous_store(launch: Launch, timeout: datetime.timedelta) -> tc.Store:
             is_master=is_server,
             wait_for_workers=False,
             timeout=timeout,
+            multi_tenant=True,
         )
     except Exception as exc:
         seconds = timeout.total_seconds()

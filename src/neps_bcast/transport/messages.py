@@ -43,6 +43,11 @@ class TrialMessage:
     group_generation: int | None = None
     """Every rank forms the DDP group again, as this generation, before the trial (the
     leader decides: a failure or user code ended it); None: keep the group as it is."""
+    attempt: int = 1
+    """1 for the trial's first evaluation; n + 1 after n interruptions (preemption, a
+    time limit, a lost rank) put it back to pending."""
+    resumed_from: Path | None = None
+    """On a retry: the trial's directory, when an earlier attempt left files there."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class Report:
     seq: int
     trial_id: str
     error: ErrorRecord | None = None
+    has_group: bool = False
+    """This rank has a default process group (told at session entry)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,7 @@ def encode(message: Message, *, tag: str) -> bytes:
             "seq": message.seq,
             "trial_id": message.trial_id,
             "error": error,
+            "has_group": message.has_group,
         }
         return _frame(_REPORT, header)
     header = {
@@ -114,6 +122,8 @@ def encode(message: Message, *, tag: str) -> bytes:
         "pipeline_directory": _path_text(message.pipeline_directory),
         "previous_pipeline_directory": _path_text(message.previous_pipeline_directory),
         "group_generation": message.group_generation,
+        "attempt": message.attempt,
+        "resumed_from": _path_text(message.resumed_from),
     }
     return _frame(_TRIAL, header, _pickle_arguments(message, tag))
 
@@ -136,6 +146,7 @@ def decode(payload: bytes, *, tag: str) -> Message:
                 seq=_typed(header, "seq", int),
                 trial_id=_typed(header, "trial_id", str),
                 error=ErrorRecord.from_dict(error) if error is not None else None,
+                has_group=_typed(header, "has_group", bool),
             )
         if kind != _TRIAL:
             raise ValueError(f"unknown message kind {kind!r}")
@@ -147,6 +158,8 @@ def decode(payload: bytes, *, tag: str) -> Message:
             pipeline_directory=_path(header.get("pipeline_directory")),
             previous_pipeline_directory=_path(header.get("previous_pipeline_directory")),
             group_generation=_generation(header.get("group_generation")),
+            attempt=_attempt(header.get("attempt")),
+            resumed_from=_path(header.get("resumed_from")),
         )
     except MessageError:
         raise
@@ -165,6 +178,12 @@ def _generation(raw: object) -> int | None:
         return None
     if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
         raise ValueError("a group generation must be a positive integer")
+    return raw
+
+
+def _attempt(raw: object) -> int:
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 1:
+        raise ValueError("an attempt must be a positive integer")
     return raw
 
 

@@ -49,6 +49,11 @@ class Keys:
         return f"{PREFIX}/pg/{generation}"
 
     @staticmethod
+    def trial_group(seq: int) -> str:
+        """The DDP group neps_bcast forms at ``session()`` of trial ``seq`` (if none)."""
+        return f"{PREFIX}/pg/trial/{seq}"
+
+    @staticmethod
     def error(seq: int, group_rank: int) -> str:
         return f"{PREFIX}/err/{seq}/{group_rank}"
 

@@ -1,0 +1,150 @@
+"""Unit tests: stop signals chain to the handlers already installed, and a scheduler's
+stop (SIGTERM, or the job's own handler of its time-limit signal exiting) becomes
+``Terminated`` whoever handled it; a plain ``sys.exit`` and Ctrl-C stay the user's stop.
+
+Real signals, sent by this process to itself (pytest runs tests in the main thread).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from neps_bcast.recovery import signals
+from neps_bcast.recovery.signals import Terminated, preemption, stop_signals
+
+
+@pytest.fixture(autouse=True)
+def default_handlers() -> Iterator[None]:
+    saved = {s: signal.getsignal(s) for s in signals.STOP_SIGNALS}
+    for s in signals.STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def send(signum: int) -> None:
+    os.kill(os.getpid(), signum)
+    for _ in range(1000):  # the handler runs at the next bytecode boundary
+        pass
+
+
+def test_a_sigterm_handler_installed_before_still_runs_and_sigterm_raises_143() -> None:
+    ran: list[int] = []
+    signal.signal(signal.SIGTERM, lambda s, _f: ran.append(s))
+    with stop_signals(), pytest.raises(Terminated) as info:
+        send(signal.SIGTERM)
+    assert ran == [signal.SIGTERM]
+    assert info.value.code == 143
+    assert info.value.how == "SIGTERM"
+    assert preemption(info.value) is info.value
+
+
+def test_without_a_handler_sigterm_raises_143_and_the_default_comes_back() -> None:
+    with stop_signals(), pytest.raises(Terminated) as info:
+        send(signal.SIGTERM)
+    assert info.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored after the block
+
+
+def test_a_previous_sigterm_handler_that_exits_is_a_stop_with_its_exit_code() -> None:
+    """submitit's SIGTERM handler only logs; a user's may call sys.exit(0)."""
+
+    def exits(_s: int, _f: Any) -> None:
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, exits)
+    with stop_signals(), pytest.raises(Terminated) as info:
+        send(signal.SIGTERM)
+    assert info.value.code == 0
+    assert info.value.how == "SystemExit(0) in the SIGTERM handler"
+
+
+def test_a_second_sigterm_while_stopping_is_ignored() -> None:
+    with stop_signals():
+        with pytest.raises(Terminated):
+            send(signal.SIGTERM)
+        send(signal.SIGTERM)  # must not raise: the first stop is being recorded
+
+
+def test_an_ignored_sigterm_stays_ignored() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with stop_signals():
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        send(signal.SIGTERM)
+
+
+def test_no_usr1_handler_is_installed_where_there_is_none() -> None:
+    """Lightning installs its SLURM auto-requeue handler only where USR1 has none."""
+    with stop_signals():
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_DFL
+        assert callable(signal.getsignal(signal.SIGTERM))  # positive control: ours
+
+
+def test_a_usr1_handler_installed_before_runs_and_a_later_exit_is_a_stop() -> None:
+    """The user's handler sets a flag; the training loop sees it, saves, requeues and
+    exits (the most common shape): that exit is the scheduler's stop."""
+    flag: list[int] = []
+    signal.signal(signal.SIGUSR1, lambda s, _f: flag.append(s))
+    with stop_signals():
+        send(signal.SIGUSR1)
+        assert flag == [signal.SIGUSR1]
+        try:
+            sys.exit(0)
+        except SystemExit as exc:
+            stop = preemption(exc)
+    assert stop is not None
+    assert stop.code == 0
+    assert stop.how == "SystemExit(0) after SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # the user's is back
+
+
+def test_a_usr2_handler_installed_before_that_exits_is_a_stop() -> None:
+    """submitit's: checkpoint, requeue, sys.exit(-1) on rank 0."""
+
+    def checkpoint_and_requeue(_s: int, _f: Any) -> None:
+        sys.exit(-1)
+
+    signal.signal(signal.SIGUSR2, checkpoint_and_requeue)
+    with stop_signals(), pytest.raises(Terminated) as info:
+        send(signal.SIGUSR2)
+    assert info.value.code == -1
+    assert info.value.how == "SystemExit(-1) in the SIGUSR2 handler"
+
+
+def test_a_usr1_handler_installed_inside_the_trial_that_exits_is_a_stop() -> None:
+    """Installed after run started (inside the function): not chained, so told from
+    the traceback, which passes through the handler."""
+
+    def requeue_and_exit(_s: int, _f: Any) -> None:
+        sys.exit(3)
+
+    with stop_signals():
+        signal.signal(signal.SIGUSR1, requeue_and_exit)
+        try:
+            send(signal.SIGUSR1)
+        except SystemExit as exc:
+            stop = preemption(exc)
+        else:
+            pytest.fail("the handler did not exit")
+    assert stop is not None
+    assert stop.code == 3
+    assert stop.how == "SystemExit(3) in the SIGUSR1 handler"
+
+
+def test_sys_exit_without_a_stop_signal_and_ctrl_c_stay_the_users_stop() -> None:
+    with stop_signals():
+        with pytest.raises(SystemExit) as info:
+            sys.exit(1)
+        assert preemption(info.value) is None
+        assert preemption(KeyboardInterrupt()) is None
+        assert preemption(ValueError("a bad config")) is None
