@@ -1,6 +1,6 @@
 """A user's NePS search whose trials train a plain torch DDP loop (no Lightning), started
 by an external launcher: every rank runs this script, and the loop trains on the default
-group neps_bcast formed before trial 1.
+group neps_bcast forms at ``session()`` (the script forms none).
 
     torchrun --standalone --nproc-per-node 2 torch_ddp_search.py --trials 6
     torchrun --standalone --nproc-per-node 2 torch_ddp_search.py --destroy-group

@@ -67,7 +67,8 @@ def start(
     join_timeout = datetime.timedelta(seconds=settings.join_timeout_s)
     store = rendezvous.rendezvous_store(launch, join_timeout)
     prefix = rendezvous.meet(launch, store, join_timeout).prefix
-    handshake_store = _tc.PrefixStore(f"{prefix}/handshake", store)
+    # A gloo group's rendezvous keys, under /pg/ as every group's (torch reads them).
+    handshake_store = _tc.PrefixStore(f"{prefix}/pg/handshake", store)
     with handshake.standalone(
         handshake_store, launch.global_rank, launch.world_size, join_timeout
     ) as group:
