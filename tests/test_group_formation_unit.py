@@ -200,6 +200,7 @@ def test_a_destroyed_group_is_kept_alive_until_released() -> None:
     """Its gloo worker threads are the sign of life (the group's C++ side)."""
     tc.keep_groups_alive()
     tc.keep_groups_alive()  # once per process, however often called
+    tc.release_destroyed_groups()  # what earlier tests in this process destroyed
     assert isinstance(c10d._pg_map, dict)
     before = gloo_runloops()
     dist.init_process_group(

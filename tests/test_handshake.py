@@ -152,9 +152,9 @@ def test_several_hosts_without_a_secret_warn_on_every_rank(outcomes: dict[str, A
 
 def test_an_oversized_or_unreadable_record_from_the_group_is_an_error() -> None:
     from neps_bcast.errors import LaunchError
-    from neps_bcast.startup import handshake
+    from neps_bcast.startup import ranks
 
     with pytest.raises(LaunchError, match=r"a rank sent a startup record of 2000000 bytes"):
-        handshake._checked_size(2_000_000, "neps_bcast rank 1/2 follower")
+        ranks._checked_size(2_000_000, "neps_bcast rank 1/2 follower")
     with pytest.raises(LaunchError, match=r"cannot read the leader's record sent over the group"):
-        handshake._json(b"\x80not json", "the leader's record", "neps_bcast rank 1/2 follower")
+        ranks.record(b"\x80not json", "the leader's record", "neps_bcast rank 1/2 follower")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from neps_bcast import trial
+from neps_bcast import errors
 from neps_bcast.compat.torch import is_peer_closed
 from neps_bcast.errors import ErrorRecord, MessageError, NepsBcastError
 from neps_bcast.transport.messages import (
@@ -319,14 +319,14 @@ def test_sort_records_puts_root_causes_first_earliest_first() -> None:
     peer = _record(0, 1.0, secondary=True, message="Connection closed by peer")
     late = _record(2, 5.0, secondary=False, message="late failure")
     early = _record(1, 3.0, secondary=False, message="early failure")
-    assert trial.sort_records([peer, late, early]) == [early, late, peer]
+    assert errors.sort_records([peer, late, early]) == [early, late, peer]
 
 
 def test_failure_text_names_the_failing_ranks_and_then_the_consequences() -> None:
     peer = _record(0, 1.0, secondary=True, message="Connection closed by peer")
     early = _record(1, 3.0, secondary=False, message="early failure")
     late = _record(2, 5.0, secondary=False, message="late failure")
-    text = trial.failure_text(trial.sort_records([peer, late, early]), "9")
+    text = errors.failure_text(errors.sort_records([peer, late, early]), "9")
     head = text.splitlines()[0]
     assert head.startswith(
         "trial 9 failed on ranks 1, 2: rank 1: ValueError: early failure;"
@@ -342,7 +342,7 @@ def test_failure_text_names_the_failing_ranks_and_then_the_consequences() -> Non
 
 def test_failure_text_for_one_rank_says_rank() -> None:
     only = _record(1, 3.0, secondary=False, message="boom")
-    text = trial.failure_text([only], "4")
+    text = errors.failure_text([only], "4")
     assert text.startswith("trial 4 failed on rank 1: rank 1: ValueError: boom.")
     assert "Caused by it" not in text
 
@@ -350,7 +350,7 @@ def test_failure_text_for_one_rank_says_rank() -> None:
 def test_failure_text_with_only_secondary_errors_still_names_them() -> None:
     a = _record(0, 1.0, secondary=True, message="Connection closed by peer")
     b = _record(1, 2.0, secondary=True, message="Connection reset by peer")
-    text = trial.failure_text([a, b], "4")
+    text = errors.failure_text([a, b], "4")
     assert text.startswith("trial 4 failed on ranks 0, 1: rank 0: RuntimeError:")
     assert "traceback of rank 0" in text
     assert "traceback of rank 1" in text

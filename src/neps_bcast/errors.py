@@ -166,3 +166,22 @@ def first_line(exc: BaseException) -> str:
     """``TypeName: first line of the message``, for one-line logs and error texts."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def sort_records(records: list[ErrorRecord]) -> list[ErrorRecord]:
+    """Root causes first (errors of their own, earliest first), then secondary ones."""
+    return sorted(records, key=lambda r: (r.secondary, r.timestamp, r.group_rank))
+
+
+def failure_text(records: list[ErrorRecord], trial_id: str) -> str:
+    primary = [r for r in records if not r.secondary] or records
+    secondary = [r for r in records if r not in primary]
+    ranks = ", ".join(str(r.group_rank) for r in primary)
+    head = f"trial {trial_id} failed on rank{'s' if len(primary) > 1 else ''} {ranks}: "
+    head += "; ".join(r.headline() for r in primary)
+    if secondary:
+        head += ". Caused by it: " + "; ".join(r.headline() for r in secondary)
+    tracebacks = "\n".join(
+        f"--- traceback of rank {r.group_rank} (pid {r.pid}) ---\n{r.traceback}" for r in primary
+    )
+    return f"{head}.\n{tracebacks}"

@@ -23,6 +23,7 @@ from neps_bcast.errors import (
     FollowerLostError,
     NepsBcastError,
     TrialFailedError,
+    failure_text,
     first_line,
     format_message,
 )
@@ -36,7 +37,7 @@ from neps_bcast.recovery.signals import (
 )
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
-from neps_bcast.trial import Outcome, evaluate_once, failure_text, running
+from neps_bcast.trial import Outcome, evaluate_once, running
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""
@@ -100,7 +101,7 @@ def evaluate_on_group(
         _abort(rt, info, root_directory, leases, exc)
     except BaseException as exc:
         try:
-            settle.interrupted(info, root_directory, leases, exc)
+            settle.trial(info, root_directory, leases, exc)
         finally:
             rt.settled.set()
         raise
@@ -195,7 +196,7 @@ def _abort(
     again on a broken group, whatever happens while settling)."""
     rt.log(logging.ERROR, "%s", exc)
     try:
-        settle.give_back_lost(info, root_directory, leases, exc)
+        settle.trial(info, root_directory, leases, exc)
     finally:
         rt.settled.set()
     raise SearchAborted(exc) from exc

@@ -8,6 +8,7 @@ messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -70,10 +71,8 @@ class Runtime:
         server rank 0 runs at MASTER_ADDR:MASTER_PORT), held for the whole run so that
         every trial's group formed on it by the user's code finds it there."""
         self.link = Link(self.group_rank, self.settings, self.signer)
-        self.link.peers.relatives = self._relatives
-        self._first: tuple[int, bytes] | None = None
-        """Leader before its group exists: the trial Lightning's children will start with."""
-        self._set_env: list[str] = []
+        self.link.peers.relatives = functools.partial(_relatives, launch, self.group_rank)
+        self.children = _Children()
         self.seq = 0
         self.steps = Steps(self.group_rank, self.signer, lambda: self.group.generation)
         self.owns_group = False
@@ -121,13 +120,6 @@ class Runtime:
 
         self.group.release(connections, exc)
 
-    def _relatives(self) -> list[peers.Peer]:
-        """The group as this process sees it by itself (a peer's record is missing)."""
-        launch = self.launch
-        if launch.kind == "external":
-            return peers.launch_relatives(launch.identity, launch.rank_variable, self.group_rank)
-        return peers.lightning_relatives(launch.kind)
-
     def next_generation(self) -> int | None:
         """Leader: the generation the next trial forms the group as (None: keep it)."""
         return self.group.next_generation() if self.link.store is not None else None
@@ -153,7 +145,7 @@ class Runtime:
         if (self.world_size or 0) <= 1 or self.link.store is None:
             return False
         self.link.join(self.world_size or 0, self.lost)
-        self._forget_children_env()  # the children have joined: nothing left to inherit
+        self.children.forget(self.link)  # the children have joined: nothing left to inherit
         # Every rank published itself before joining: read (and check) them all now, so a
         # later overwrite of those keys by an outsider cannot hide a peer.
         self.link.peers.others(self.link.store, self.world_size)
@@ -165,25 +157,8 @@ class Runtime:
         Runs in Lightning's launcher (``compat.lightning.before_children_start``), so a
         search whose function never starts child processes never serves a store.
         """
-        if self._first is None or self.link.channel is not None:
-            return
-        seq, payload = self._first
-        address, trial_file = self.link.leave_trial_for_children(seq, payload)
-        env = {
-            ENV_LEADER: address,
-            ENV_FIRST_SEQ: str(seq),
-            ENV_FIRST_TRIAL: trial_file,
-            ENV_CHILD_SECRET: f"{secret_text(self.signer.secret)}.{self.signer.search.hex()}",
-        }
-        os.environ.update(env)
-        self._set_env = list(env)
-
-    def _forget_children_env(self) -> None:
-        for name in self._set_env:
-            os.environ.pop(name, None)
-        if self._set_env:
-            self.link.forget_trial()
-        self._set_env = []
+        if self.link.channel is None:
+            self.children.prepare(self.link, self.signer)
 
     def _on_channel(self, step: Callable[[Channel], _T]) -> _T:
         """One control step on the channel (``transport.steps``); a lost peer named."""
@@ -198,7 +173,7 @@ class Runtime:
         if self.ensure_channel():
             self._on_channel(lambda c: self.steps.hand_over(c, message, self.tag))
         elif isinstance(message, TrialMessage):
-            self._first = (message.seq, encode(message, tag=self.tag))
+            self.children.first = (message.seq, encode(message, tag=self.tag))
             self.steps.handed_seq = message.seq  # Lightning's children start with it
 
     def receive(self) -> TrialMessage | StopMessage:
@@ -265,7 +240,45 @@ class Runtime:
 
     def close(self) -> None:
         self.link.close()
-        self._forget_children_env()
+        self.children.forget(self.link)
+
+
+class _Children:
+    """Leader before its group exists: the trial Lightning's children start with, and
+    the variables that tell them where it is (set just before they start)."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, bytes] | None = None
+        self._set_env: list[str] = []
+
+    def prepare(self, link: Link, signer: Signer) -> None:
+        if self.first is None:
+            return
+        seq, payload = self.first
+        address, trial_file = link.leave_trial_for_children(seq, payload)
+        env = {
+            ENV_LEADER: address,
+            ENV_FIRST_SEQ: str(seq),
+            ENV_FIRST_TRIAL: trial_file,
+            ENV_CHILD_SECRET: f"{secret_text(signer.secret)}.{signer.search.hex()}",
+        }
+        os.environ.update(env)
+        self._set_env = list(env)
+
+    def forget(self, link: Link) -> None:
+        """The children have joined (or the run ends): nothing left to inherit."""
+        for name in self._set_env:
+            os.environ.pop(name, None)
+        if self._set_env:
+            link.forget_trial()
+        self._set_env = []
+
+
+def _relatives(launch: Launch, group_rank: int) -> list[peers.Peer]:
+    """The group as this process sees it by itself (a peer's record is missing)."""
+    if launch.kind == "external":
+        return peers.launch_relatives(launch.identity, launch.rank_variable, group_rank)
+    return peers.lightning_relatives(launch.kind)
 
 
 def _expect_order(message: Message, tag: str) -> TrialMessage | StopMessage:

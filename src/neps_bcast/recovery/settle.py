@@ -6,11 +6,11 @@ never replace the interrupt with an error of its own (a SIGTERM whose exit code 
 attached to the original as a note and logged, and the original keeps its meaning and
 exit code.
 
-- an interrupt (``interrupted``): SIGTERM (preemption, a time limit) is no fault of the
-  trial, it goes back to pending (``lease.Leases.give_back``); Ctrl-C and ``sys.exit``
-  are the user's stop, the trial is recorded crashed;
-- a lost rank (``give_back_lost``): back to pending with the lease's history, or
-  crashed where there is no lease.
+- a scheduler's stop (SIGTERM, a time limit: ``Terminated``) is no fault of the trial,
+  it goes back to pending (``lease.Leases.give_back``); Ctrl-C and ``sys.exit`` are the
+  user's stop, the trial is recorded crashed;
+- a lost rank: back to pending with the lease's history, or crashed where there is no
+  lease.
 """
 
 from __future__ import annotations
@@ -19,55 +19,46 @@ import signal
 from pathlib import Path
 
 from neps_bcast.compat import neps as neps_compat
-from neps_bcast.errors import first_line
+from neps_bcast.errors import FollowerLostError, first_line
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.signals import Terminated
 
 
-def interrupted(
+def trial(
     info: neps_compat.NepsTrialInfo,
     root_directory: Path,
     leases: Leases | None,
     exc: BaseException,
 ) -> None:
-    """Ctrl-C, SIGTERM, ``sys.exit`` in a trial: settle it; never raises."""
+    """A trial that ended with ``exc`` instead of a result: settle it; never raises.
+
+    A scheduler's stop (``Terminated``) or a lost rank puts it back to pending where it
+    has a lease; anything else (Ctrl-C, ``sys.exit``, or no lease) records it crashed."""
+    lost = isinstance(exc, FollowerLostError)
     try:
-        if isinstance(exc, Terminated) and leases is not None and info.pipeline_directory:
-            what = leases.give_back(
-                info.trial_id,
-                info.pipeline_directory,
-                f"preempted: {exc.how} on the leader (exit code {exc.code})",
-            )
-            asks = " asks to requeue" if exc.code == 128 + signal.SIGTERM else ""
-            logger.warning(
-                "%s in trial %s: %s; exit code %s%s", exc.how, info.trial_id, what, exc.code, asks
-            )
+        if leases is not None and info.pipeline_directory and (lost or isinstance(exc, Terminated)):
+            why, how = (first_line(exc), ("", "")) if lost else _preempted(exc)
+            what = leases.give_back(info.trial_id, info.pipeline_directory, why)
+            logger.warning("%strial %s: %s%s", how[0], info.trial_id, what, how[1])
+        elif lost:
+            neps_compat.record_crashed(info.trial_id, root_directory, exc)
         else:
             neps_compat.record_crashed(
                 info.trial_id,
                 root_directory,
                 RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
             )
-    except BaseException as secondary:  # noqa: BLE001 - the original interrupt wins
+    except BaseException as secondary:  # noqa: BLE001 - the original error wins
         attach(exc, info.trial_id, secondary)
 
 
-def give_back_lost(
-    info: neps_compat.NepsTrialInfo,
-    root_directory: Path,
-    leases: Leases | None,
-    exc: BaseException,
-) -> None:
-    """The group lost a rank in this trial: back to pending (or crashed); never raises."""
-    try:
-        if leases is not None and info.pipeline_directory is not None:
-            what = leases.give_back(info.trial_id, info.pipeline_directory, first_line(exc))
-            logger.warning("trial %s: %s", info.trial_id, what)
-        else:
-            neps_compat.record_crashed(info.trial_id, root_directory, exc)
-    except BaseException as secondary:  # noqa: BLE001 - the search stops all the same
-        attach(exc, info.trial_id, secondary)
+def _preempted(exc: BaseException) -> tuple[str, tuple[str, str]]:
+    """What the lease records, and the log line's head and tail, for a scheduler's stop."""
+    assert isinstance(exc, Terminated)
+    asks = " asks to requeue" if exc.code == 128 + signal.SIGTERM else ""
+    why = f"preempted: {exc.how} on the leader (exit code {exc.code})"
+    return why, (f"{exc.how} in ", f"; exit code {exc.code}{asks}")
 
 
 def attach(exc: BaseException, trial_id: str, secondary: BaseException) -> None:

@@ -4,7 +4,7 @@ All ranks start together: they meet (bounded), agree on the secret, and join the
 channel. The ranks first meet on the launcher's rendezvous store: a rank that never
 calls ``neps_bcast.run`` is named within ``NEPS_BCAST_JOIN_TIMEOUT_S`` instead of
 hanging. Then, over a gloo group of neps_bcast's own formed on that store for the
-handshake only (``handshake.standalone``), the ranks compare their arguments, agree
+handshake only (``ranks.standalone``), the ranks compare their arguments, agree
 on the secret and learn the address of the leader's control store (``handshake``):
 nothing a rank trusts is read from the launcher's store.
 
@@ -28,7 +28,7 @@ from neps_bcast.compat import torch as _tc
 from neps_bcast.config import Settings
 from neps_bcast.errors import AuthError, LaunchError, format_message
 from neps_bcast.log import logger, rank_tag
-from neps_bcast.startup import handshake, rendezvous
+from neps_bcast.startup import handshake, ranks, rendezvous
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport import auth
 from neps_bcast.transport.auth import Signer
@@ -69,7 +69,7 @@ def start(
     prefix = rendezvous.meet(launch, store, join_timeout).prefix
     # A gloo group's rendezvous keys, under /pg/ as every group's (torch reads them).
     handshake_store = _tc.PrefixStore(f"{prefix}/pg/handshake", store)
-    with handshake.standalone(
+    with ranks.standalone(
         handshake_store, launch.global_rank, launch.world_size, join_timeout
     ) as group:
         _hand_over(launch, settings, link, signer, fingerprint, group)
@@ -82,7 +82,7 @@ def _hand_over(
     link: Link,
     signer: Signer,
     fingerprint: dict[str, str],
-    group: handshake.Ranks,
+    group: ranks.Ranks,
 ) -> None:
     """Agree on the secret and reach the leader over ``group`` (``handshake``).
 
@@ -116,7 +116,7 @@ def _hand_over_on_the_users_group(
     """The user formed the group before neps_bcast.run: the same handshake, on it (its
     connections link the ranks directly): the same argument and secret checks, no
     pickle, and the same warning when the secret must cross hosts in the clear."""
-    with handshake.control_group() as group:
+    with ranks.control_group() as group:
         _hand_over(launch, settings, link, signer, fingerprint, group)
 
 

@@ -1,9 +1,7 @@
 """How the ranks of a group agree on the search's secret and identity, over the group.
 
-Runs on every rank before trial 1, over a group of all the ranks: a gloo group of
-neps_bcast's own, formed on the launcher's store and closed again (``standalone``;
-no default group is formed, the user's code may form that itself), or the group the
-user formed before ``neps_bcast.run`` (``control_group``). Everything travels over the
+Runs on every rank before trial 1, over a group of all the ranks (``ranks``: one of
+neps_bcast's own for the handshake only, or the user's). Everything travels over the
 group's own connections, as plain bytes in tensors (never a pickle); nothing is read
 from a store, where anyone who reaches the port can write.
 
@@ -29,31 +27,23 @@ from a store, where anyone who reaches the port can write.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import hashlib
 import json
 import os
 import secrets
 import socket
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from neps_bcast.compat import torch as tc
 from neps_bcast.errors import AuthError, LaunchError, format_message
 from neps_bcast.log import logger, role_tag
-from neps_bcast.startup import rendezvous
+from neps_bcast.startup import ranks, rendezvous
 from neps_bcast.startup.launch import Launch
+from neps_bcast.startup.ranks import Ranks, broadcast, gather
 from neps_bcast.transport import auth, private
 from neps_bcast.transport.auth import ENV_SECRET, Context, Signer
 from neps_bcast.transport.link import Link
 
-MAX_RECORD_BYTES = 1 << 20
-"""Largest record a rank accepts from the group (a fingerprint is a few KB)."""
 LEADER_KEY = "neps_bcast/leader"
 PROOF_KEY = "neps_bcast/proof"
 FILE_HINT = (
@@ -61,108 +51,6 @@ FILE_HINT = (
     " who can write its directory, or set NEPS_BCAST_SECRET on every rank (then no file"
     " is used)."
 )
-
-
-@dataclass
-class Ranks:
-    """The group the handshake talks on: a c10d group (``group``; None: the default),
-    or a gloo group c10d does not know about (``gloo``)."""
-
-    world_size: int
-    group: dist.ProcessGroup | None = None
-    gloo: dist.ProcessGroupGloo | None = None
-
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        if self.gloo is not None:
-            tc.gloo_allgather(self.gloo, outputs, tensor)
-        else:
-            dist.all_gather(outputs, tensor, group=self.group)
-
-
-@contextlib.contextmanager
-def control_group() -> Iterator[Ranks]:
-    """The user's default group when it is gloo, otherwise a gloo group of the same
-    ranks (control messages never go through NCCL)."""
-    if dist.get_backend() == "gloo":
-        yield Ranks(dist.get_world_size())
-        return
-    gloo = dist.new_group(backend="gloo")
-    try:
-        yield Ranks(dist.get_world_size(), group=gloo)
-    finally:
-        dist.destroy_process_group(gloo)
-
-
-@contextlib.contextmanager
-def standalone(
-    store: tc.Store, rank: int, world_size: int, timeout: datetime.timedelta
-) -> Iterator[Ranks]:
-    """A gloo group of every rank on ``store`` (the launcher's, under this attempt's
-    prefix), for the handshake only: closed before the user's code runs, and never the
-    default group, which the user's code may form itself."""
-    gloo = tc.new_gloo_group(store, rank, world_size, timeout)
-    try:
-        yield Ranks(world_size, gloo=gloo)
-    finally:
-        tc.close_gloo_group(gloo)
-
-
-def _frame(data: bytes) -> torch.Tensor:
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.empty(0, dtype=torch.uint8)
-    )
-
-
-def _checked_size(size: int, tag: str) -> int:
-    if not 0 <= size <= MAX_RECORD_BYTES:
-        raise LaunchError(
-            format_message(
-                tag,
-                f"a rank sent a startup record of {size} bytes over the group; expected at"
-                f" most {MAX_RECORD_BYTES}.",
-                "every rank must run the same neps_bcast version; if they do, another"
-                " process is tampering with the group's connections.",
-            )
-        )
-    return size
-
-
-def gather(ranks: Ranks, data: bytes, tag: str) -> list[bytes]:
-    """Every rank's ``data``, by rank (two all-gathers: the sizes, then the bytes)."""
-    world = ranks.world_size
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    ranks.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64))
-    lengths = [_checked_size(int(s.item()), tag) for s in sizes]
-    longest = max(lengths)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = _frame(data)
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    ranks.all_gather(out, mine)
-    return [t.numpy().tobytes()[:n] for t, n in zip(out, lengths, strict=True)]
-
-
-def broadcast(ranks: Ranks, data: bytes | None, tag: str) -> bytes:
-    """The leader's ``data`` on every rank (a gather, the followers sending nothing)."""
-    return gather(ranks, data if data is not None else b"", tag)[0]
-
-
-def _json(raw: bytes, what: str, tag: str) -> dict[str, Any]:
-    try:
-        value = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        value = None
-    if not isinstance(value, dict):
-        raise LaunchError(
-            format_message(
-                tag,
-                f"cannot read {what} sent over the group: it is not a JSON object.",
-                "every rank must run the same neps_bcast version; if they do, another"
-                " process is tampering with the group's connections.",
-            )
-        )
-    return value
 
 
 def secret_file_name(launch: Launch) -> str:
@@ -210,7 +98,7 @@ class _Handshake:
 
     def _gather(self, value: dict[str, Any], what: str) -> list[dict[str, Any]]:
         raw = gather(self.group, json.dumps(value).encode(), self.tag)
-        return [_json(r, what, self.tag) for r in raw]
+        return [ranks.record(r, what, self.tag) for r in raw]
 
     def run(
         self, fingerprint: dict[str, str], refusal: str | None, address: Callable[[int], str]
@@ -315,7 +203,9 @@ class _Handshake:
 
     def _follow(self) -> tuple[str, str | None]:
         """A follower's side of step 2: the leader's address, or what it refused."""
-        payload = _json(broadcast(self.group, None, self.tag), "the leader's record", self.tag)
+        payload = ranks.record(
+            broadcast(self.group, None, self.tag), "the leader's record", self.tag
+        )
         if payload.get("refused") is not None:
             return "", "the leader could not start the search (see rank 0's refusal)"
         try:
