@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -620,3 +622,24 @@ def test_ranks_at_different_steps_raise_on_every_rank_instead_of_waiting() -> No
     assert "rank 1 was waiting for the next trial" in str(lead_error)
     assert isinstance(follow_error, ProtocolError)
     assert "waited for the next trial while rank 0 was at trial 7's trial-end" in str(follow_error)
+
+
+def test_the_public_names_stay_themselves_once_every_submodule_is_imported() -> None:
+    """A submodule named like a public name replaces it on the package when something
+    imports it first (a user's type hint, a pickle that names a class in it): a requeued
+    submitit job found ``neps_bcast.session`` to be a module and every trial failed with
+    "'module' object is not callable"."""
+    code = (
+        "import importlib, pkgutil, neps_bcast\n"
+        "for m in pkgutil.walk_packages(neps_bcast.__path__, 'neps_bcast.'):\n"
+        "    if not m.name.startswith('neps_bcast.launcher.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "from neps_bcast.trial_session import Trial, session\n"
+        "from neps_bcast.api import run\n"
+        "assert (neps_bcast.session, neps_bcast.Trial, neps_bcast.run) == (session, Trial, run), "
+        "(neps_bcast.session, neps_bcast.Trial, neps_bcast.run)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr

@@ -17,12 +17,16 @@ from neps_bcast.errors import NepsBcastError
 
 if TYPE_CHECKING:
     from neps_bcast.api import run
-    from neps_bcast.session import Trial, session
+    from neps_bcast.trial_session import Trial, session
 
 __all__ = ["NepsBcastError", "Trial", "run", "session"]
 __version__ = "0.1.0"
 
-_LAZY = {"run": "neps_bcast.api", "Trial": "neps_bcast.session", "session": "neps_bcast.session"}
+_LAZY = {
+    "run": "neps_bcast.api",
+    "Trial": "neps_bcast.trial_session",
+    "session": "neps_bcast.trial_session",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -90,8 +90,11 @@ class Search(submitit.helpers.Checkpointable):
 
     def __call__(self, root: str, trials: int) -> str:
         logging.basicConfig(level=logging.INFO)
+        # overwrite: the job inherits the free MASTER_PORT the test chose (submitit's own
+        # pick, seeded by the job id, repeats in every fresh test cluster); export()
+        # refuses a variable that is already set, and keeps its value when overwriting.
         dist_env = submitit.helpers.TorchDistributedEnvironment().export(
-            set_cuda_visible_devices=False
+            set_cuda_visible_devices=False, overwrite=True
         )
         record("start", rank=dist_env.rank, world_size=dist_env.world_size)
         neps_bcast.run(
@@ -113,6 +116,10 @@ class Search(submitit.helpers.Checkpointable):
             }
             torch.save(state, RUNNING["directory"] / "checkpoint.pt")
             record("saved", step=RUNNING["step"])
+        # This script runs as __main__, so submitit pickles this class by value with
+        # the globals its methods use: RUNNING, holding a DDP model, which cannot be
+        # unpickled before a process group exists (the requeued job failed on it).
+        RUNNING.clear()
         return super().checkpoint(*args, **kwargs)
 
 
