@@ -98,3 +98,20 @@ def test_fingerprint_ignores_object_identity_but_not_values() -> None:
     assert "0x" not in a["pipeline_space"]
     b = fingerprint(fn, Other(), {"root_directory": "r", "optimizer": "random_search"})
     assert a["pipeline_space"] != b["pipeline_space"]
+
+
+def test_a_space_with_huge_choices_makes_a_short_fingerprint_that_still_tells_them_apart() -> None:
+    """A 1 MB categorical value made a 1.1 MB start-up record, which every rank refused
+    (the benchmark's sweep of trial sizes stopped before trial 1)."""
+
+    def space(fill: str) -> neps.PipelineSpace:
+        attrs = {"payload": neps.Categorical((fill * 1_000_000, "q"))}
+        return type("Space", (neps.PipelineSpace,), attrs)()
+
+    def fn(payload: str) -> float:
+        return 0.0
+
+    a = fingerprint(fn, space("p"), {"root_directory": "r"})
+    assert len(a["pipeline_space"]) < 1000, len(a["pipeline_space"])
+    assert a == fingerprint(fn, space("p"), {"root_directory": "r"})
+    assert a != fingerprint(fn, space("x"), {"root_directory": "r"})

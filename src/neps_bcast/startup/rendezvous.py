@@ -24,6 +24,7 @@ shares this server (a second server on the port would fail with "address in use"
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import re
@@ -86,7 +87,20 @@ def fingerprint(
     for name in FINGERPRINT_KWARGS:
         if name in kwargs:
             found[name] = _describe(kwargs[name])
-    return found
+    return {name: _compact(text) for name, text in found.items()}
+
+
+LONGEST_DESCRIPTION = 400
+"""Longer descriptions travel as their start and a digest (a space with 1 MB choices
+must not make a 1 MB start-up record)."""
+
+
+def _compact(text: str) -> str:
+    """``text``, or its start and a digest: equal exactly when the texts are."""
+    if len(text) <= LONGEST_DESCRIPTION:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    return f"{text[:120]}... ({len(text)} characters, sha256 {digest})"
 
 
 def rendezvous_store(launch: Launch, timeout: datetime.timedelta) -> tc.Store:
