@@ -30,6 +30,7 @@ from neps_bcast import leader, runtime
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
+    AuthError,
     NepsBcastError,
     ProtocolError,
     SessionError,
@@ -40,8 +41,16 @@ from neps_bcast.follower import follow
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, channel_context
 from neps_bcast.transport.channel import Channel, ChannelClosedError
-from neps_bcast.transport.messages import Phase, Report, StopMessage, TrialMessage, decode
-from neps_bcast.transport.steps import KIND
+from neps_bcast.transport.messages import (
+    Phase,
+    Ready,
+    Report,
+    StopMessage,
+    TrialMessage,
+    decode,
+    encode,
+)
+from neps_bcast.transport.steps import KIND, Steps
 from neps_bcast.trial import TrialRun
 
 
@@ -643,3 +652,41 @@ def test_the_public_names_stay_themselves_once_every_submodule_is_imported() -> 
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+class Replaying:
+    """A channel whose every step returns the frames it is given (an outsider's replay)."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def allgather(self, payload: bytes) -> list[bytes]:
+        return self.frames
+
+    def close(self) -> None: ...
+
+
+def test_a_step_replayed_from_another_step_rank_or_generation_is_refused() -> None:
+    """Each step's tag binds its number, the slot's rank and the group generation."""
+    signer = Signer(SECRET)
+
+    def frame(message: Any, sender: int, step: int, generation: int = 0) -> bytes:
+        context = channel_context(KIND, sender=sender, seq=step, generation=generation)
+        return signer.sign(context, encode(message, tag="t"))
+
+    trial = _trial_message(seq=1)
+    channel = Replaying()
+    follower = Steps(1, signer, lambda: 0)
+    step_0 = [frame(trial, 0, 0), frame(Ready(1), 1, 0)]
+    channel.frames = step_0
+    assert follower.next_message(channel, "t") == trial  # the positive control
+    for replayed in (
+        step_0,  # step 0's frames again at step 1
+        [frame(Ready(1), 1, 1), frame(trial, 0, 1)],  # each frame in the other rank's slot
+        [frame(trial, 0, 1, generation=1), frame(Ready(1), 1, 1, generation=1)],
+    ):
+        channel.frames = replayed
+        with pytest.raises(AuthError, match="refused the value under 'channel/step'"):
+            follower.next_message(channel, "t")
