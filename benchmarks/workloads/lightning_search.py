@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--root", required=True)
     parser.add_argument("--timings", required=True)
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--optimizer", default="random_search")
     ARGS = parser.parse_args()
     Path(ARGS.timings).mkdir(parents=True, exist_ok=True)
     logging.getLogger("lightning").setLevel(logging.WARNING)
@@ -118,7 +119,7 @@ def main() -> None:
         pipeline_space=Space(),
         root_directory=ARGS.root,
         total_evaluations_to_spend=ARGS.trials,
-        optimizer="random_search",
+        optimizer=ARGS.optimizer,
     )
 
 

@@ -32,6 +32,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--start-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--script", default="plain_search.py", help="the rank's script, in this folder"
+    )
     args, rest = parser.parse_known_args()
     system = rest[rest.index("--system") + 1]
     timings = Path(rest[rest.index("--timings") + 1])
@@ -50,7 +53,7 @@ def main() -> None:
             **extra,
         )
         return subprocess.Popen(
-            [sys.executable, str(HERE / "plain_search.py"), *rest],
+            [sys.executable, str(HERE / args.script), *rest],
             env=env,
             stdin=subprocess.DEVNULL,
         )
