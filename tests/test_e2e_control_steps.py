@@ -85,7 +85,11 @@ def test_every_process_is_gone_within_seconds(interrupted: Launch) -> None:
 def test_the_leader_exits_143_and_the_follower_returns(interrupted: Launch) -> None:
     # torchrun reads each worker's exit status from the OS and names the failed ones.
     failed = dict(re.findall(r"rank\s*:\s*(\d+).*?\n.*?exitcode\s*:\s*(-?\d+)", interrupted.output))
-    assert failed == {"0": "143"}, interrupted.output[-4000:]
+    assert failed.pop("0", None) == "143", interrupted.output[-4000:]
+    # The follower returned from neps_bcast.run. Once the leader failed, torchrun stops
+    # the workers still alive with SIGTERM: under load that can be the follower after it
+    # returned, before its interpreter exited (-15, neps_bcast's handler gone with run).
+    assert failed in ({}, {"1": "-15"}), interrupted.output[-4000:]
     returned = [e["rank"] for e in interrupted.events() if e["event"] == "returned"]
     assert returned == [1]
 
