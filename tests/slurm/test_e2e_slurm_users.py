@@ -96,27 +96,50 @@ def test_the_tutorial_pattern_under_srun(cluster: Cluster, tmp_path: Path) -> No
     job.assert_nothing_left()
 
 
+# -- a job stopped by USR1 in trial 2 and requeued ----------------------------------------
+def submit_stopped_in_trial_2(
+    cluster: Cluster, tmp_path: Path, script: str, record_variable: str, slow_variable: str
+) -> tuple[Job, Path, set[int]]:
+    """``script`` as a 3-trial search in usr1.sbatch, sent USR1 a few steps into trial 2:
+    the job, its NePS root and the pids of its first start."""
+    root = tmp_path / "root"
+    rec = tmp_path / "job" / "rec"
+    rec.mkdir(parents=True)
+    cmd = [PYTHON, str(SCRIPTS / script), "--trials", "3", "--root", str(root)]
+    env = {record_variable: str(rec), slow_variable: "2"}
+    job = cluster.submit(tmp_path / "job", USR1_SBATCH, cmd, env)
+    return job, root, interrupt_trial_2(job, root, "USR1")
+
+
+def assert_requeued_once_and_completed(job: Job, root: Path) -> str:
+    """The job ran twice and completed; every trial a success. Returns the job's report."""
+    info = job.wait_done()
+    report = job.report()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1")
+    assert states(root) == dict.fromkeys("123", "success"), report
+    return report
+
+
+def assert_one_interruption(trial_dir: Path, how: str) -> None:
+    lease = read_lease(trial_dir)
+    assert lease is not None
+    assert [a.how for a in lease.attempts] == [how], lease
+
+
 # -- Lightning's SLURM auto-requeue -------------------------------------------------------
 def test_lightning_auto_requeue_resumes_the_trial_from_its_hpc_checkpoint(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    root = tmp_path / "root"
-    rec = tmp_path / "job" / "rec"
-    rec.mkdir(parents=True)
-    cmd = [PYTHON, str(SCRIPTS / "lightning_slurm.py"), "--trials", "3", "--root", str(root)]
-    env = {"LIGHTNING_RECORD": str(rec), "LIGHTNING_SLOW": "2"}
-    job = cluster.submit(tmp_path / "job", USR1_SBATCH, cmd, env)
-    first = interrupt_trial_2(job, root, "USR1")
+    job, root, first = submit_stopped_in_trial_2(
+        cluster, tmp_path, "lightning_slurm.py", "LIGHTNING_RECORD", "LIGHTNING_SLOW"
+    )
     trial_dir = root / "configs" / "config_2"
     saved = sorted(p.name for p in trial_dir.glob("hpc_ckpt_*.ckpt"))
     assert saved == ["hpc_ckpt_1.ckpt"], job.report()  # in default_root_dir = the trial's
     saved_step = torch.load(trial_dir / saved[0], weights_only=False)["global_step"]
     assert saved_step >= 3, job.report()
 
-    info = job.wait_done()
-    report = job.report()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1")
-    assert states(root) == dict.fromkeys("123", "success"), report
+    report = assert_requeued_once_and_completed(job, root)
     again = started_again(job, first)
     for rank in (0, 1):
         starts = [e["global_step"] for e in of(again, "fit_start") if e["rank"] == rank]
@@ -125,11 +148,7 @@ def test_lightning_auto_requeue_resumes_the_trial_from_its_hpc_checkpoint(
         assert trained == [("2", 2), ("3", 1)], report
         assert starts[0] == saved_step, report
         assert starts[1] == 0, report
-    lease = read_lease(trial_dir)
-    assert lease is not None
-    assert [a.how for a in lease.attempts] == [
-        "preempted: SIGTERM on the leader (exit code 143)"
-    ], lease
+    assert_one_interruption(trial_dir, "preempted: SIGTERM on the leader (exit code 143)")
     job.assert_nothing_left()
 
 
@@ -137,23 +156,16 @@ def test_lightning_auto_requeue_resumes_the_trial_from_its_hpc_checkpoint(
 def test_a_users_own_usr1_handler_requeues_and_the_trial_resumes(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    root = tmp_path / "root"
-    rec = tmp_path / "job" / "rec"
-    rec.mkdir(parents=True)
-    cmd = [PYTHON, str(SCRIPTS / "requeue_ddp.py"), "--trials", "3", "--root", str(root)]
-    env = {"REQUEUE_RECORD": str(rec), "REQUEUE_SLOW": "2"}
-    job = cluster.submit(tmp_path / "job", USR1_SBATCH, cmd, env)
-    first = interrupt_trial_2(job, root, "USR1")
+    job, root, first = submit_stopped_in_trial_2(
+        cluster, tmp_path, "requeue_ddp.py", "REQUEUE_RECORD", "REQUEUE_SLOW"
+    )
     events = job.events()
     assert sorted(e["rank"] for e in of(events, "handler")) == [0, 1], job.report()
     assert {e["rank"]: e["code"] for e in of(events, "exit")} == {0: 0, 1: 0}, job.report()
     saved_step = torch.load(root / "configs" / "config_2" / "checkpoint.pt")["step"]
     assert saved_step >= 3, job.report()
 
-    info = job.wait_done()
-    report = job.report()
-    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1")
-    assert states(root) == dict.fromkeys("123", "success"), report
+    report = assert_requeued_once_and_completed(job, root)
     again = started_again(job, first)
     for rank in (0, 1):
         trained = [
@@ -162,11 +174,10 @@ def test_a_users_own_usr1_handler_requeues_and_the_trial_resumes(
             if e["rank"] == rank
         ]
         assert trained == [("2", 2, saved_step, 12), ("3", 1, 0, 12)], report
-    lease = read_lease(root / "configs" / "config_2")
-    assert lease is not None
-    assert [a.how for a in lease.attempts] == [
-        "preempted: SystemExit(0) in the SIGUSR1 handler on the leader (exit code 0)"
-    ], lease
+    assert_one_interruption(
+        root / "configs" / "config_2",
+        "preempted: SystemExit(0) in the SIGUSR1 handler on the leader (exit code 0)",
+    )
     job.assert_nothing_left()
 
 
