@@ -178,6 +178,22 @@ class Result:
             for name, text in self.rank_logs.items()
         )
 
+    def gone_within(self, since: float, bound: float) -> None:
+        """Assert that every process was gone within ``bound`` s of ``since`` (a record's
+        time); if not, the message gives every record's time from ``since`` and the logs,
+        so a slow exit shows which rank waited and where."""
+        took = self.gone_at - since
+        timeline = "\n".join(
+            f"  {e['t'] - since:+8.2f} s  rank {e.get('proc_rank')} pid {e.get('pid')}:"
+            f" {e['event']} {e.get('type') or e.get('kind') or e.get('code', '')}"
+            for e in sorted(self.events, key=lambda e: e["t"])
+            if e["t"] >= since - 1.0
+        )
+        assert took < bound, (
+            f"the launch was gone {took:.1f} s after the fault (bound {bound:g} s);"
+            f" records from the fault on:\n{timeline}\n{self.tail(80)}"
+        )
+
     @property
     def exits(self) -> dict[int, dict[str, Any]]:
         return exits_by_rank(self.events)
