@@ -230,6 +230,19 @@ def summarize_bo(raw: Record) -> Record:
     return by_system
 
 
+def summarize_bo_gap(raw: Record) -> Record:
+    """Ours minus the built-in's time to the next trial, trial by trial (ms).
+
+    Both launches are seeded alike, so trial n is the same BO step in both (the same
+    configs and acquisition work, benchmarks/bo_gap.md): the difference is what each
+    system adds around NePS's sampling, not two different BO problems."""
+    ours, builtin = (
+        [trial["sample_s"] for trial in raw["bo"][system]["trials"]] for system in SYSTEMS
+    )
+    gaps = [None if o is None or b is None else o - b for o, b in zip(ours, builtin, strict=False)]
+    return {"last5_ms": describe_values(gaps[-5:], 1e3), "all_ms": describe_values(gaps, 1e3)}
+
+
 def summarize_groups(raw: Record) -> Record:
     """``neps-bcast launch`` layouts (``"2x2"``, ``"1x4"``): medians over completed runs.
 
@@ -269,6 +282,7 @@ def summarize(raw: Record, config: BenchConfig) -> Record:
         "e2e": summarize_e2e(raw, config),
         "reliability": summarize_reliability(raw),
         "bo": summarize_bo(raw),
+        "bo_gap": summarize_bo_gap(raw),
         "sweep": {
             system: {field: launch[field] for field in fields}
             for system, launch in raw["sweep"].items()

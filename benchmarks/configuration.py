@@ -29,6 +29,8 @@ PAYLOAD_BYTES = (1000, 100_000, 1_000_000)
 """Sizes of the string each trial carries. The first is the plain runs' payload."""
 
 HANDOFF_GOAL_MS: dict[int, float] = {2: 2.0, 8: 10.0}
+BO_GAP_GOAL_MS = 20.0
+"""Bayesian optimization: ours may take at most this much longer to the next trial."""
 """The handoff goal: neps_bcast's median handoff (NePS trial start -> last follower enters) at
 most this many ms, by world size."""
 

@@ -206,6 +206,8 @@ class PlainWorkload:
     hold_s: float = 0.0
     """How long the leader holds the trials in ``hold_trials`` (follower CPU)."""
     hold_trials: tuple[int, ...] = ()
+    seed: int | None = None
+    """Seed of every rank's random, numpy and torch (None: unseeded)."""
 
 
 def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -> Record:
@@ -223,6 +225,7 @@ def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -
         *("--hold", str(workload.hold_s)),
         *("--hold-trials", ",".join(map(str, workload.hold_trials))),
         *("--barrier-timeout", "150"),
+        *(("--seed", str(workload.seed)) if workload.seed is not None else ()),
     ]
     record = supervised(
         name, cmd, cwd=folder, deadline_s=200 + 20 * workload.trials, role="launcher"
@@ -417,8 +420,9 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
         ]
 
     progress("5/6 Bayesian optimization at world 2 (interleaved)")
+    # Seeded: unseeded, each launch faces another BO problem (benchmarks/bo_gap.md).
     bayesian = PlainWorkload(
-        tag="bo", trials=config.bo_trials, payloads=(), optimizer="bayesian_optimization"
+        tag="bo", trials=config.bo_trials, payloads=(), optimizer="bayesian_optimization", seed=0
     )
     for system in SYSTEMS:
         raw["bo"][system] = measure_plain(system, 2, bayesian, tmp)

@@ -89,6 +89,17 @@ def space(payloads: list[int]) -> neps.PipelineSpace:
     return type("Space", (neps.PipelineSpace,), attrs)()
 
 
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def main() -> None:
     global ARGS  # noqa: PLW0603
     parser = argparse.ArgumentParser()
@@ -105,7 +116,16 @@ def main() -> None:
         default=set(),
     )
     parser.add_argument("--barrier-timeout", type=float, default=180.0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed random, numpy and torch on every rank first: both systems then face the"
+        " same search (Bayesian optimization samples the same configs with the same work)",
+    )
     ARGS = parser.parse_args()
+    if ARGS.seed is not None:
+        seed_everything(ARGS.seed)
     payloads = [int(size) for size in ARGS.payloads.split(",") if size]
     (neps_bcast.run if ARGS.system == "ours" else neps.run)(
         evaluate_pipeline,
