@@ -288,3 +288,27 @@ def test_the_lease_lock_refuses_a_planted_symlink(tmp_path: Path) -> None:
     ):
         pass
     assert not target.exists()
+
+
+def test_between_trials_a_leader_looks_for_orphans_once_per_heartbeat_period(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root"
+    assert worker(tmp_path, trials=3, fault="kill", at="2").returncode == -signal.SIGKILL
+    hourly = Leases(root, Settings(heartbeat_s=3600.0, lease_grace_s=4 * 3600.0))
+    # Its first look is due: it hands the orphan back.
+    assert hourly.recover_orphans_if_due() == [
+        "2: back to pending (interruption 1 of at most 3 retried)"
+    ]
+    # The next worker evaluates the pending trial first and is killed in it again.
+    assert worker(tmp_path, trials=3, fault="kill", at="2").returncode == -signal.SIGKILL
+    assert states(tmp_path)["2"] == "evaluating"
+    assert hourly.recover_orphans_if_due() == []  # looked less than an hour ago
+    assert states(tmp_path)["2"] == "evaluating"
+    at_once = Leases(root, Settings(heartbeat_s=0.0, lease_grace_s=4 * 3600.0))
+    at_once.recover_orphans()  # a look now: the next one is due a period (0 s) later
+    assert states(tmp_path)["2"] == "pending"
+    assert worker(tmp_path, trials=3, fault="kill", at="2").returncode == -signal.SIGKILL
+    assert at_once.recover_orphans_if_due() == [
+        "2: back to pending (interruption 3 of at most 3 retried)"
+    ]

@@ -30,7 +30,8 @@ earlier attempt left files in the trial's directory (``resumed_from``): the user
 can then resume from its own checkpoint there.
 
 Leaders look for orphans when they start (holding the root lock, before NePS samples)
-and after each of their trials (before NePS chooses the next one).
+and between their trials (before NePS chooses the next one), there at most once per
+``NEPS_BCAST_HEARTBEAT_S``: the look reads NePS's whole trial book under its lock.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class Leases:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._looked_at: float | None = None
+        """When this leader last looked for orphans (``time.monotonic``)."""
 
     def log(self, level: int, message: str, *args: object) -> None:
         logger.log(level, message, *args)
@@ -148,6 +151,7 @@ class Leases:
     # -- orphans ---------------------------------------------------------------
     def recover_orphans(self) -> list[str]:
         """Put back every trial whose owner is provably gone; what was done, per trial."""
+        self._looked_at = time.monotonic()
         done = []
         with neps_compat.locked_trials(self.root) as book:
             if book is None:
@@ -159,6 +163,20 @@ class Leases:
                 if outcome is not None:
                     done.append(f"{trial.trial_id}: {outcome}")
         return done
+
+    def recover_orphans_if_due(self) -> list[str]:
+        """Between trials: ``recover_orphans`` unless this leader looked less than a
+        heartbeat period ago.
+
+        Why: the look reads every trial NePS holds under NePS's lock, measured 3 to 9 ms
+        on 2 cores and growing with the trials, while nothing it finds is urgent. An
+        owner elsewhere is dead only after ``NEPS_BCAST_LEASE_GRACE_S``, at least three
+        heartbeat periods; an owner on this machine is dead at once, and its trial now
+        waits at most one period more, while NePS samples a new one.
+        """
+        if self._looked_at is not None and time.monotonic() - self._looked_at < self.heartbeat_s:
+            return []
+        return self.recover_orphans()
 
     def _recover_one(
         self, book: neps_compat.TrialBook, trial: neps_compat.EvaluatingTrial, now: float
