@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import gc
 import io
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, cast
@@ -101,14 +102,34 @@ def _freeze_at_exit() -> None:
     the one thing that finalization would have saved, the buffered data of a file the
     user's code never closed, is flushed here. Nothing is read from an object but its
     type before it is known to be a file (some module proxies warn on any access).
+
+    The files are found without a Python-level step per object: after a Lightning trial
+    a follower holds about 480,000 objects. A loop testing each one's type cost 0.37 s of
+    CPU (idle core), 1.1 to 3.1 s of wall time on 2 cores at load 7, where the suite's
+    5 s bound from a lost-leader follower's exit record to its process gone failed once.
+    Here ``map`` and ``compress`` walk the list in C and only the ~1,400 distinct types
+    are tested in Python: 0.15 to 0.22 s of CPU. Testing by type id, with a type whose
+    test raises counted as no file: a class with an unhashable metaclass makes io's
+    ABCs raise ``TypeError`` (it stopped the old loop, and so the freeze).
     """
-    for obj in gc.get_objects():
-        if issubclass(type(obj), _FILES):
-            stream = cast(io.IOBase, obj)
-            with contextlib.suppress(Exception):  # closed, detached, a reader gone
-                if not stream.closed and stream.writable():
-                    stream.flush()
+    objects = gc.get_objects()
+    type_ids = list(map(id, map(type, objects)))  # by id: a metaclass may be unhashable
+    distinct = dict(zip(type_ids, map(type, objects), strict=True))
+    files = {i for i, t in distinct.items() if _is_file_type(t)}
+    for obj in itertools.compress(objects, map(files.__contains__, type_ids)):
+        stream = cast(io.IOBase, obj)
+        with contextlib.suppress(Exception):  # closed, detached, a reader gone
+            if not stream.closed and stream.writable():
+                stream.flush()
+    del objects, type_ids, distinct
     gc.freeze()
+
+
+def _is_file_type(cls: type) -> bool:
+    try:
+        return issubclass(cls, _FILES)
+    except TypeError:  # io's ABCs cache classes in sets: an unhashable class raises
+        return False
 
 
 _FILES = (io.BufferedIOBase, io.TextIOBase, io.RawIOBase)
