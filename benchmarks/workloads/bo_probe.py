@@ -23,13 +23,11 @@ from __future__ import annotations
 import gc
 import json
 import os
-import random
 import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,6 +37,7 @@ if WORKLOAD == "lightning_search":
     import lightning_search as workload
 else:
     import plain_search as workload
+from plain_search import seed_everything  # noqa: E402 - needs the sys.path entry above
 
 SEED = os.environ.get("BO_PROBE_SEED", "0")
 """The seed; "none": no seeding (as the benchmark's bo section runs)."""
@@ -47,11 +46,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def seed() -> None:
-    if SEED == "none":
-        return
-    random.seed(int(SEED))
-    np.random.seed(int(SEED))
-    torch.manual_seed(int(SEED))
+    if SEED != "none":
+        seed_everything(int(SEED))
 
 
 def cpu_of(stat_path: str) -> float:

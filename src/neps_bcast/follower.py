@@ -113,15 +113,16 @@ def _freeze_at_exit() -> None:
     ABCs raise ``TypeError`` (it stopped the old loop, and so the freeze).
     """
     objects = gc.get_objects()
-    type_ids = list(map(id, map(type, objects)))  # by id: a metaclass may be unhashable
-    distinct = dict(zip(type_ids, map(type, objects), strict=True))
+    types = list(map(type, objects))
+    type_ids = list(map(id, types))  # by id: a metaclass may be unhashable
+    distinct = dict(zip(type_ids, types, strict=True))
     files = {i for i, t in distinct.items() if _is_file_type(t)}
     for obj in itertools.compress(objects, map(files.__contains__, type_ids)):
         stream = cast(io.IOBase, obj)
         with contextlib.suppress(Exception):  # closed, detached, a reader gone
             if not stream.closed and stream.writable():
                 stream.flush()
-    del objects, type_ids, distinct
+    del objects, types, type_ids, distinct
     gc.freeze()
 
 

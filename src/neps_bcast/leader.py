@@ -181,7 +181,7 @@ def _recover_orphans(rt: Runtime, leases: Leases) -> None:
     """Between trials: hand back other leaders' orphans (never fails the search)."""
     try:
         leases.recover_orphans_if_due()
-    except Exception as exc:  # noqa: BLE001 - a failed check is retried after the next trial
+    except Exception as exc:  # noqa: BLE001 - a failed check is retried when the next is due
         rt.log(logging.WARNING, "could not check for orphaned trials: %s", exc)
 
 
