@@ -1,7 +1,7 @@
 """An outsider of another uid attacking a real search, for the end-to-end security tests.
 
 ``Attack`` runs one search under attack, in this order: the outsider
-(tests/scripts/attacker_outsider.py) starts as ``nobody`` and plants its files; then the
+(tests/scripts/attacker_outsider.py) becomes ``nobody`` and plants its files; then the
 search is launched (``python``, torchrun, or an sbatch job whose srun starts the ranks);
 while it runs, a spotter thread here, as root, finds the stores of the launch (the
 ``LISTEN`` sockets of its processes in /proc/net/tcp that are the launcher's rendezvous
@@ -9,8 +9,14 @@ store, on ``MASTER_PORT``, or the leader's store, whose port the leader logs) an
 them for the outsider; once the last process of the launch is gone, the outsider is told
 to stop and reports what it did.
 
-Precondition: the suite runs as root on a host with a ``nobody`` user, a ``nogroup``
-group and ``setpriv`` (util-linux). Without it the tests fail (they never skip): an
+The outsider is started as root and drops to ``nobody`` (no groups, no capabilities)
+before its first read, plant or byte sent: so it can load Python and torch from a checkout
+that only root can enter (``git clone . "$(mktemp -d)"``), and every step of the attack is
+another uid's. ``assert_the_outsider_attacked_from_before_the_start`` asserts the drop
+took.
+
+Precondition: the suite runs as root on a host with a ``nobody`` user and a ``nogroup``
+group. Without it the tests fail (they never skip): an
 attacker of the same uid proves nothing.
 """
 
@@ -50,10 +56,9 @@ LEADER_STORE = re.compile(r"serving the control store on port (\d+)")
 def require_another_user() -> tuple[int, int]:
     """The uid and gid the outsider runs as; fails (never skips) when it cannot."""
     assert os.geteuid() == 0, (
-        "the security tests start their attacker as another user (nobody, via setpriv), which"
+        "the security tests start their attacker as another user (nobody), which"
         " needs root: run the suite as root (as `make test` does on the test machine)"
     )
-    assert shutil.which("setpriv"), "setpriv (util-linux) is missing: apt-get install util-linux"
     try:
         return pwd.getpwnam("nobody").pw_uid, grp.getgrnam("nogroup").gr_gid
     except KeyError as exc:
@@ -117,12 +122,10 @@ class Outsider:
         self.stop_file = arena.work / f"{name}.stop"
         self.recording = arena.work / f"{name}.recorded.json"
         cmd = [
-            "setpriv",
-            f"--reuid={arena.uid}",
-            f"--regid={arena.gid}",
-            "--clear-groups",
             PYTHON,
             str(OUTSIDER_SCRIPT),
+            "--as",
+            f"{arena.uid}:{arena.gid}",
             "--work",
             str(arena.work),
             "--targets",
@@ -346,6 +349,14 @@ def popen(cmd: list[str], timeout: float = 300.0) -> Callable[[Attack], Callable
 def assert_the_outsider_attacked_from_before_the_start(attack: Attack) -> None:
     report = attack.report
     assert report["uid"] == attack.arena.uid != os.geteuid(), report
+    uid, gid = attack.arena.uid, attack.arena.gid
+    assert report["became"] == {
+        "uids": [uid, uid, uid],
+        "gids": [gid, gid, gid],
+        "groups": [],
+        "regained_root": False,
+        "capabilities": {"CapPrm": 0, "CapEff": 0},
+    }, report["became"]
     # It was running (rounds without a target) before any store of the launch existed.
     assert report["rounds_before_a_target"] > 0, report
 

@@ -2,7 +2,10 @@
 starts until after its last one exits.
 
 Started by tests/test_e2e_attacker.py (and tests/slurm/test_e2e_slurm_attacker.py) as
-``nobody``. Nothing here is neps_bcast code: it speaks the plain TCPStore protocol and
+root with ``--as UID:GID`` (``nobody``): it loads Python and torch as root, so that the
+checkout may sit in a folder only root can enter (``mktemp -d`` makes one), then drops to
+that uid and gid with no supplementary groups and no capabilities before it reads, plants
+or sends anything, and checks that it cannot become root again. Nothing here is neps_bcast code: it speaks the plain TCPStore protocol and
 knows neps_bcast's key names the way anyone who reads the source does.
 
 Before the launch it plants:
@@ -79,8 +82,35 @@ def templates() -> list[str]:
     return keys
 
 
+def drop_to(ids: str) -> dict[str, object]:
+    """Become ``UID:GID`` for good, with no groups; what the process is afterwards."""
+    uid, gid = (int(x) for x in ids.split(":"))
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    try:
+        os.setuid(0)
+    except PermissionError:
+        regained = False
+    else:
+        regained = True
+    status = Path("/proc/self/status").read_text()
+    caps = {
+        line.split(":")[0]: int(line.split(":")[1], 16)
+        for line in status.splitlines()
+        if line.startswith(("CapEff:", "CapPrm:"))
+    }
+    return {
+        "uids": list(os.getresuid()),
+        "gids": list(os.getresgid()),
+        "groups": os.getgroups(),
+        "regained_root": regained,
+        "capabilities": caps,
+    }
+
+
 class Outsider:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, became: dict[str, object]) -> None:
         self.args = args
         self.bomb = pickle.dumps(Bomb(args.marker))
         work = Path(args.work)
@@ -108,6 +138,7 @@ class Outsider:
             self.replay = {k: [bytes.fromhex(v) for v in vs] for k, vs in raw.items()}
         self.report: dict[str, object] = {
             "uid": os.getuid(),
+            "became": became,
             "rounds": 0,
             "rounds_before_a_target": 0,
             "writes": {},
@@ -243,7 +274,10 @@ def main() -> None:
     parser.add_argument("--record", help="write every neps_bcast value seen here")
     parser.add_argument("--replay", help="replay the values recorded in this file instead")
     parser.add_argument("--plant-private-dir", help="make this directory (0777) first")
-    Outsider(parser.parse_args()).run()
+    parser.add_argument("--as", dest="ids", required=True, help="UID:GID to drop to at once")
+    args = parser.parse_args()
+    became = drop_to(args.ids)
+    Outsider(args, became).run()
 
 
 if __name__ == "__main__":
