@@ -52,7 +52,8 @@ def channel_latency_ms(latency_s_by_payload: dict[str, list[float]]) -> Record:
 
 
 def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record]:
-    """One record per trial the leader started: handoff, control overhead, sampling time.
+    """One record per trial the leader started: handoff, control overhead, control steps
+    alone, sampling time.
 
     ``rows`` are the ranks' JSON lines; ``trial_key`` is the argument that tells trials
     apart (``x`` in the plain workload, ``lr`` in the Lightning one). A trial is complete
@@ -62,8 +63,10 @@ def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record
     leader_exits = {
         row[trial_key]: row["t_exit"] for row in rows if row["rank"] == 0 and "t_exit" in row
     }
+    neps_calls = {row["trial"]: row for row in rows if row["rank"] == 0 and "t_call" in row}
     trials = []
     previous_exit = None
+    previous_return = None
     for index, start in enumerate(leader_starts, start=1):
         trial = start[trial_key]
         follower_rows = [row for row in rows if row["rank"] > 0 and row.get(trial_key) == trial]
@@ -80,10 +83,36 @@ def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record
                 if last_entry is None or previous_exit is None
                 else last_entry - previous_exit,
                 "sample_s": None if previous_exit is None else start["t_started"] - previous_exit,
+                "steps_s": control_steps_s(
+                    previous_exit, previous_return, neps_calls.get(start.get("trial")), last_entry
+                ),
             }
         )
         previous_exit = leader_exits.get(trial)
+        call = neps_calls.get(start.get("trial"))
+        previous_return = None if call is None else call["t_return"]
     return trials
+
+
+def control_steps_s(
+    previous_exit: float | None,
+    previous_return: float | None,
+    call: Record | None,
+    last_entry: float | None,
+) -> float | None:
+    """The system's own steps between two trials, NePS's left out: from the leader's
+    function returning to NePS's ``evaluate_trial`` returning (the trial-end exchange,
+    releasing the lease, recording nothing yet), plus from NePS calling the next
+    ``evaluate_trial`` to the last follower entering the trial (the lease, the handoff).
+    What lies between the two (NePS's report, its bookkeeping, its sampling) is NePS's
+    worker loop, the same in both systems."""
+    if None in (previous_exit, previous_return, call, last_entry):
+        return None
+    assert previous_exit is not None and previous_return is not None
+    assert call is not None and last_entry is not None
+    # NePS's followers can find a trial on disk before the leader's NePS calls
+    # ``evaluate_trial`` (it writes the trial first): nothing to wait for then, not less.
+    return max(0.0, previous_return - previous_exit) + max(0.0, last_entry - call["t_call"])
 
 
 def is_follower(process: Record) -> bool:
@@ -158,6 +187,7 @@ def summarize_plain(raw: Record) -> Record:
                 for size in PAYLOAD_BYTES
             },
             "overhead_ms": describe_values([trial["overhead_s"] for trial in measured], 1e3),
+            "steps_ms": describe_values([trial.get("steps_s") for trial in measured], 1e3),
             "wait_cpu_per_s": describe_values(launch["wait_cpu_per_s"]),
             "completed": launch["completed"],
             "error": launch["error"],
@@ -168,11 +198,15 @@ def summarize_plain(raw: Record) -> Record:
     return by_world
 
 
-def summarize_e2e(raw: Record, config: BenchConfig) -> Record:
-    """Wall time, CPU time, throughput and handoff of the completed end-to-end runs."""
+def summarize_e2e(
+    raw: Record, config: BenchConfig, section: str = "e2e", trials: int | None = None
+) -> Record:
+    """Wall time, CPU time, throughput and handoff of the completed end-to-end runs
+    (``section``: ``e2e``, random search, or ``bo_e2e``, Bayesian optimization)."""
+    trials = config.e2e_trials if trials is None else trials
     by_system: Record = {}
     for system in SYSTEMS:
-        launches = [launch for launch in raw["e2e"] if launch["system"] == system]
+        launches = [launch for launch in raw.get(section, []) if launch["system"] == system]
         completed = [launch for launch in launches if launch["completed"]]
         wall_s = median_of(completed, "wall_s")
         latencies = [
@@ -183,7 +217,9 @@ def summarize_e2e(raw: Record, config: BenchConfig) -> Record:
             "runs_total": len(launches),
             "wall_s": wall_s,
             "cpu_s": median_of(completed, "cpu_at_exit_s"),
-            "trials_per_min": None if wall_s is None else 60 * config.e2e_trials / wall_s,
+            "trials_per_min": None if wall_s is None else 60 * trials / wall_s,
+            "wall_s_all": [launch["wall_s"] for launch in completed],
+            "cpu_s_all": [launch["cpu_at_exit_s"] for launch in completed],
             "latency_ms": describe_values(latencies, 1e3),
         }
     return by_system
@@ -280,6 +316,7 @@ def summarize(raw: Record, config: BenchConfig) -> Record:
         "channel": raw["channel"],
         "plain": summarize_plain(raw),
         "e2e": summarize_e2e(raw, config),
+        "bo_e2e": summarize_e2e(raw, config, "bo_e2e", config.bo_e2e_trials),
         "reliability": summarize_reliability(raw),
         "bo": summarize_bo(raw),
         "bo_gap": summarize_bo_gap(raw),

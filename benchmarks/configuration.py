@@ -29,10 +29,20 @@ PAYLOAD_BYTES = (1000, 100_000, 1_000_000)
 """Sizes of the string each trial carries. The first is the plain runs' payload."""
 
 HANDOFF_GOAL_MS: dict[int, float] = {2: 2.0, 8: 10.0}
-BO_GAP_GOAL_MS = 20.0
-"""Bayesian optimization: ours may take at most this much longer to the next trial."""
 """The handoff goal: neps_bcast's median handoff (NePS trial start -> last follower enters) at
 most this many ms, by world size."""
+
+STEPS_GOAL_MS: dict[int, float] = {2: 5.0, 8: 10.0}
+"""The control-steps goal: neps_bcast's own steps between two trials (NePS's report,
+bookkeeping and sampling left out, see ``analysis.control_steps_s``) at most this many ms,
+median, by world size."""
+
+BO_GAP_GOAL_MS = 20.0
+"""Bayesian optimization: ours may take at most this much longer to the next trial."""
+
+BO_E2E_CPU_GOAL = 0.8
+"""End to end under Bayesian optimization: ours may use at most this share of the built-in's
+CPU-seconds (and at most its wall time)."""
 
 FOLLOWER_CPU_GOAL_PERCENT: dict[int, float] = {2: 1.0}
 """The waiting goal: follower CPU while the leader holds a trial at most this % of a core, by
@@ -75,6 +85,10 @@ class BenchConfig:
     rel_trials: int
     bo_trials: int
     """Trials of the Bayesian-optimization run (time to sample the next trial)."""
+    bo_e2e_trials: int
+    """Trials of one end-to-end Lightning ddp x2 run under Bayesian optimization (seeded)."""
+    bo_e2e_runs: int
+    """Such runs per system, interleaved."""
     groups_trials: int
     """Trials (budget) of one ``neps-bcast launch`` run, the same for every layout."""
     groups_runs: int
@@ -95,6 +109,8 @@ QUICK = BenchConfig(
     rel_runs=1,
     rel_trials=6,
     bo_trials=8,
+    bo_e2e_trials=14,
+    bo_e2e_runs=2,
     # ~1 min per launch of 4 ranks on 2 cores, most of it the ranks' imports.
     groups_trials=8,
     groups_runs=1,
@@ -113,6 +129,8 @@ FULL = BenchConfig(
     rel_runs=27,
     rel_trials=6,
     bo_trials=30,
+    bo_e2e_trials=14,
+    bo_e2e_runs=5,
     groups_trials=8,
     groups_runs=3,
 )

@@ -245,8 +245,11 @@ def measure_plain(system: str, world: int, workload: PlainWorkload, tmp: Path) -
     return {**result, "timeline": cpu_timelines(record)}
 
 
-def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
-    """One Lightning ``strategy="ddp"`` search, devices=2 (workloads/lightning_search.py)."""
+def measure_lightning(
+    system: str, trials: int, tag: str, tmp: Path, *, bayesian: bool = False
+) -> Record:
+    """One Lightning ``strategy="ddp"`` search, devices=2 (workloads/lightning_search.py);
+    ``bayesian``: under Bayesian optimization, every rank seeded with 0."""
     name = f"{tag}_{system}"
     folder = tmp / name
     folder.mkdir()
@@ -255,8 +258,9 @@ def measure_lightning(system: str, trials: int, tag: str, tmp: Path) -> Record:
         str(WORKLOADS / "lightning_search.py"),
         *("--system", system, "--trials", str(trials)),
         *("--root", str(folder / "root"), "--timings", str(folder / "timings")),
+        *(("--optimizer", "bayesian_optimization", "--seed", "0") if bayesian else ()),
     ]
-    record = supervised(name, cmd, cwd=folder, deadline_s=60 + 15 * trials)
+    record = supervised(name, cmd, cwd=folder, deadline_s=60 + (25 if bayesian else 15) * trials)
     result = {
         "system": system,
         **outcome(record, neps_successes(folder / "root"), trials),
@@ -386,12 +390,12 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
     """Every section in order; returns the raw results ``analysis.summarize`` reads."""
     raw: Record = {"plain": {}, "sweep": {}, "bo": {}}
     raw["auth"] = measure_auth()
-    progress("1/6 neps_bcast channel alone")
+    progress("1/7 neps_bcast channel alone")
     raw["channel"] = {
         str(world): measure_channel(world, config, tmp) for world in config.channel_worlds
     }
 
-    progress("2/6 plain DDP: handoff, overhead, waiting CPU (interleaved)")
+    progress("2/7 plain DDP: handoff, overhead, waiting CPU (interleaved)")
     plain = PlainWorkload(
         tag="plain",
         trials=config.plain_trials,
@@ -409,8 +413,8 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
         raw["sweep"][system] = measure_plain(system, 2, sweep, tmp)
 
     for step, section, tag, runs, trials in (
-        ("3/6 end to end", "e2e", "e2e", config.e2e_runs, config.e2e_trials),
-        ("4/6 reliability", "reliability", "rel", config.rel_runs, config.rel_trials),
+        ("3/7 end to end", "e2e", "e2e", config.e2e_runs, config.e2e_trials),
+        ("4/7 reliability", "reliability", "rel", config.rel_runs, config.rel_trials),
     ):
         progress(f"{step}, Lightning ddp x2 (interleaved)")
         raw[section] = [
@@ -419,7 +423,7 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
             for system in alternating(run_index)
         ]
 
-    progress("5/6 Bayesian optimization at world 2 (interleaved)")
+    progress("5/7 Bayesian optimization at world 2 (interleaved)")
     # Seeded: unseeded, each launch faces another BO problem (benchmarks/bo_gap.md).
     bayesian = PlainWorkload(
         tag="bo", trials=config.bo_trials, payloads=(), optimizer="bayesian_optimization", seed=0
@@ -427,6 +431,13 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
     for system in SYSTEMS:
         raw["bo"][system] = measure_plain(system, 2, bayesian, tmp)
 
-    progress("6/6 neps-bcast launch: 2 groups x 2 ranks vs 1 group x 4 ranks (interleaved)")
+    progress("6/7 end to end under Bayesian optimization, Lightning ddp x2, seeded (interleaved)")
+    raw["bo_e2e"] = [
+        measure_lightning(system, config.bo_e2e_trials, f"boe2e{run_index}", tmp, bayesian=True)
+        for run_index in range(config.bo_e2e_runs)
+        for system in alternating(run_index)
+    ]
+
+    progress("7/7 neps-bcast launch: 2 groups x 2 ranks vs 1 group x 4 ranks (interleaved)")
     raw["groups"] = measure_group_layouts(config, tmp)
     return raw

@@ -11,11 +11,13 @@ from typing import Any
 
 from configuration import (
     AUTH_GOAL_PERCENT,
+    BO_E2E_CPU_GOAL,
     BO_GAP_GOAL_MS,
     FOLLOWER_CPU_GOAL_PERCENT,
     GROUP_LAYOUTS,
     HANDOFF_GOAL_MS,
     PAYLOAD_BYTES,
+    STEPS_GOAL_MS,
     SYSTEM_LABELS,
     SYSTEMS,
     BenchConfig,
@@ -28,6 +30,7 @@ Row = tuple[str, ...]
 MAIN_HEADER = "metric | neps_bcast (ours) | NePS built-in | built-in / ours | goal"
 HANDOFF = "handoff median, NePS trial start -> last follower starts (ms), world {world}"
 OVERHEAD = "per-trial control overhead, median (ms), world {world}"
+STEPS = "per-trial control steps alone (NePS's report and sampling left out), median (ms), world {world}"
 FOLLOWER_CPU = "follower CPU while the leader holds the trial (% of a core), world {world}"
 
 
@@ -126,6 +129,32 @@ def e2e_rows(summary: Summary, config: BenchConfig) -> list[Row]:
     ]
 
 
+def bo_e2e_rows(summary: Summary, config: BenchConfig) -> list[Row]:
+    """End to end under Bayesian optimization: wall and CPU, ours against the built-in's."""
+    wall = both(summary, ("bo_e2e",), "wall_s")
+    cpu = both(summary, ("bo_e2e",), "cpu_s")
+    runs = both(summary, ("bo_e2e",), "runs")
+    wall_met = None if None in wall else wall[0] <= wall[1]
+    cpu_met = None if None in cpu else cpu[0] <= BO_E2E_CPU_GOAL * cpu[1]
+    label = (
+        f"end to end under Bayesian optimization, {config.bo_e2e_trials} trials, Lightning ddp"
+        f" x2, seeded, median of {'/'.join(number(n, 0) for n in runs)} runs:"
+    )
+    return [
+        compared(f"{label} wall time (s)", wall, 1, f"ours <= built-in: {verdict(wall_met)}"),
+        compared(
+            f"{label} CPU-seconds of all processes",
+            cpu,
+            1,
+            f"ours <= {BO_E2E_CPU_GOAL:g}x built-in: {verdict(cpu_met)}",
+        ),
+    ]
+
+
+def verdict(met: bool | None) -> str:
+    return "no data" if met is None else "met" if met else "NOT met"
+
+
 def bo_row(summary: Summary, config: BenchConfig) -> Row:
     return compared(
         f"Bayesian optimization: time to the next trial at ~{config.bo_trials} trials,"
@@ -180,6 +209,7 @@ def main_rows(summary: Summary, config: BenchConfig) -> list[Row]:
         cell = f"{number(latency.get('median'))} / {number(latency.get('p95'))}"
         rows.append((label, cell, "-", "-", ""))
     rows += per_world(summary, OVERHEAD, "overhead_ms", "median")
+    rows += per_world(summary, STEPS, "steps_ms", "median", goals=STEPS_GOAL_MS, unit=" ms")
     rows += per_world(
         summary,
         FOLLOWER_CPU,
@@ -199,7 +229,13 @@ def main_rows(summary: Summary, config: BenchConfig) -> list[Row]:
     rows.append((label, *cells, "-", "ours: 0"))
     label = "reliability: CPU of each left-behind process (% of a core)"
     rows.append((label, *(number(100 * each["left_cpu_per_s"], 0) for each in runs), "-", ""))
-    return [*rows, bo_row(summary, config), bo_gap_row(summary), groups_row(summary, config)]
+    return [
+        *rows,
+        bo_row(summary, config),
+        bo_gap_row(summary),
+        *bo_e2e_rows(summary, config),
+        groups_row(summary, config),
+    ]
 
 
 # ----------------------------------------------------------------------------- headline
@@ -241,6 +277,9 @@ def headline_rows(summary: Summary, config: BenchConfig) -> list[Row]:
     sizes = " / ".join(worlds(summary))
     goals = ", ".join(f"world {world} <= {limit:g} ms" for world, limit in HANDOFF_GOAL_MS.items())
     cpu = per_world(summary, FOLLOWER_CPU, "wait_cpu_per_s", "mean", digits=1, scale=100)
+    steps_goals = ", ".join(
+        f"world {world} <= {limit:g} ms" for world, limit in STEPS_GOAL_MS.items()
+    )
     return [
         side_by_side(
             HANDOFF.format(world=f"{sizes} (goal: {goals})"),
@@ -248,6 +287,10 @@ def headline_rows(summary: Summary, config: BenchConfig) -> list[Row]:
         ),
         side_by_side(
             OVERHEAD.format(world=sizes), per_world(summary, OVERHEAD, "overhead_ms", "median")
+        ),
+        side_by_side(
+            STEPS.format(world=f"{sizes} (goal: {steps_goals})"),
+            per_world(summary, STEPS, "steps_ms", "median"),
         ),
         side_by_side(FOLLOWER_CPU.format(world=sizes), cpu),
         side_by_side(
@@ -266,6 +309,11 @@ def headline_rows(summary: Summary, config: BenchConfig) -> list[Row]:
         ),
         bo_row(summary, config)[:4],
         bo_gap_row(summary)[:4],
+        side_by_side(
+            f"end to end under Bayesian optimization, {config.bo_e2e_trials} trials, Lightning"
+            " ddp x2, seeded: wall time (s) / CPU-seconds",
+            bo_e2e_rows(summary, config),
+        ),
         groups_row(summary, config)[:4],
     ]
 
@@ -371,6 +419,15 @@ Definitions:
   *channel alone* rows measure one control step of neps_bcast's channel (an allgather) between real processes without NePS.
 - *control overhead*: leader's trial function returned -> last follower entered the next trial
   (NePS bookkeeping + sampling + handoff; for neps_bcast also the end-of-trial exchanges).
+- *control steps alone*: the part of the control overhead that is the system's, not NePS's
+  worker loop: from the leader's trial function returning to NePS's `evaluate_trial`
+  returning (neps_bcast: the trial-end exchange and the lease), plus from NePS calling the
+  next `evaluate_trial` to the last follower entering the trial (neps_bcast: the lease, the
+  orphan look when due, the handoff; built-in: its followers finding the trial on disk).
+  NePS's report, bookkeeping and sampling between the two are left out.
+- *end to end under Bayesian optimization*: the end-to-end workload with
+  `optimizer="bayesian_optimization"`, every rank seeded with 0 before the search,
+  {config.bo_e2e_trials} trials, {config.bo_e2e_runs} run(s) per system, interleaved; medians.
 - *follower CPU while waiting*: the leader sleeps {config.hold} s inside a trial after the
   followers returned; CPU-seconds per wall-second of each follower from `/proc/<pid>/stat`
   (utime+stime, sampled every 0.2 s), mean over followers.

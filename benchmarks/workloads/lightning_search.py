@@ -5,8 +5,9 @@
 Run as a plain script; Lightning re-runs it, arguments and all, for rank 1 (``devices=2``,
 CPU, gloo). ``ours``: every rank calls ``neps_bcast.run`` and trains inside
 ``neps_bcast.session()``. ``builtin``: every rank calls ``neps.run`` (NePS 0.17's own DDP
-mode). Same tiny model, data and optimizer (random search: the optimizer's own cost stays
-out of the picture). Each rank appends ``{"rank", "lr", "t_enter"}`` to
+mode). Same tiny model, data and optimizer (random search by default, so the optimizer's
+own cost stays out of the picture; ``--optimizer bayesian_optimization --seed 0`` for the
+end-to-end BO row). Each rank appends ``{"rank", "lr", "t_enter"}`` to
 ``<timings>/rank<r>.jsonl`` when it enters the trial; the leader adds NePS's ``t_started``
 for the trial. The model, data and trainer are shared with ``groups_search.py``.
 """
@@ -111,7 +112,16 @@ def main() -> None:
     parser.add_argument("--timings", required=True)
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--optimizer", default="random_search")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed random, numpy and torch on every rank before the search: both systems then"
+        " face the same Bayesian optimization problem (benchmarks/bo_gap.md)",
+    )
     ARGS = parser.parse_args()
+    if ARGS.seed is not None:
+        L.seed_everything(ARGS.seed, verbose=False)
     Path(ARGS.timings).mkdir(parents=True, exist_ok=True)
     logging.getLogger("lightning").setLevel(logging.WARNING)
     (neps_bcast.run if ARGS.system == "ours" else neps.run)(

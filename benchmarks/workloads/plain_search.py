@@ -8,7 +8,10 @@ state on disk; it needs NEPS_DDP_TRIAL_ID for its first trial, which the launche
 Each rank appends one JSON line per trial to ``<timings>/rank<r>.jsonl`` when it enters
 the trial function (CLOCK_REALTIME: all ranks share one clock). The leader also records
 when NePS marked the trial as started (``t_started``: the leader holds the trial), and
-waits until every follower entered the trial (what a DDP collective would do).
+waits until every follower entered the trial (what a DDP collective would do), and when
+NePS called and got back from its ``evaluate_trial`` (``t_call``, ``t_return``): what lies
+between those and the trial function's own start and end is the system's control steps;
+what lies outside them (NePS's report, its bookkeeping, its sampling) is NePS's alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import neps
 
@@ -77,6 +81,23 @@ def evaluate_pipeline(x: float, payload: str = "") -> float:
     return (x - 0.3) ** 2
 
 
+def time_neps_evaluate_trial() -> None:
+    """On the leader: log when NePS's worker loop calls ``evaluate_trial`` and gets back
+    (it calls the evaluation function, ours or the user's, inside it)."""
+    import neps.runtime
+
+    evaluate_trial = neps.runtime.evaluate_trial
+
+    def timed(trial: Any, **kwargs: Any) -> Any:
+        t_call = now()
+        try:
+            return evaluate_trial(trial, **kwargs)
+        finally:
+            log({"rank": 0, "trial": trial.id, "t_call": t_call, "t_return": now()})
+
+    neps.runtime.evaluate_trial = timed  # type: ignore[assignment]
+
+
 def space(payloads: list[int]) -> neps.PipelineSpace:
     attrs: dict[str, object] = {"x": neps.Float(0.0, 1.0)}
     if payloads:
@@ -127,6 +148,8 @@ def main() -> None:
     if ARGS.seed is not None:
         seed_everything(ARGS.seed)
     payloads = [int(size) for size in ARGS.payloads.split(",") if size]
+    if RANK == 0:
+        time_neps_evaluate_trial()
     (neps_bcast.run if ARGS.system == "ours" else neps.run)(
         evaluate_pipeline,
         pipeline_space=space(payloads),
