@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from exits import ExitWatch
 from neps_bcast.compat import procfs
 from scenario import Scenario
 
@@ -171,6 +172,12 @@ class Result:
     """Wall-clock time (time.time()) at which no process of the launch was left."""
     root: Path
     events: list[dict[str, Any]]
+    """Every record of the launch's ranks. An "exit" record's ``code`` is the status the
+    kernel reported for that process (``exits.ExitWatch``: the code, or -N for signal N;
+    None if none was heard); ``predicted`` is the code the rank's script ended with."""
+    os_exits: dict[int, int | None]
+    """pid -> the status the kernel reported, for every process that wrote a "start"
+    record (a rank killed before its own "exit" record has one too)."""
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(
@@ -225,6 +232,7 @@ class Running:
         self.timeout = timeout
         self.started = time.monotonic()
         self._log = (folder / "launcher.log").open("wb")
+        self.watch = ExitWatch.get()  # listening before the first process of the launch
         self.proc = subprocess.Popen(
             cmd,
             cwd=cwd,
@@ -330,6 +338,11 @@ class Running:
         if left:
             self.kill_all()
         logs = self.rank_logs()
+        events = self.events()
+        os_exits = self.os_statuses(events)
+        for e in events:
+            if e["event"] == "exit":
+                e["predicted"], e["code"] = e["code"], os_exits.get(e["pid"])
         return Result(
             name=self.name,
             returncode=self.proc.returncode,
@@ -339,8 +352,18 @@ class Running:
             seconds=seconds,
             gone_at=gone_at,
             root=self.root,
-            events=self.events(),
+            events=events,
+            os_exits=os_exits,
         )
+
+    def os_statuses(self, events: list[dict[str, Any]]) -> dict[int, int | None]:
+        """pid -> its exit status as the kernel reported it, for every rank that started."""
+        statuses: dict[int, int | None] = {}
+        for e in events:
+            if e["event"] == "start":
+                heard = self.watch.wait(e["pid"], since=e["t"], timeout=5.0)
+                statuses[e["pid"]] = None if heard is None else heard.status
+        return statuses
 
 
 def start(
@@ -386,6 +409,7 @@ def assert_clean_launch(result: Result, *, expect_rc: int = 0) -> None:
         f"exit code {result.returncode} (want {expect_rc}); logs:\n{result.tail()}"
     )
     assert_nothing_left(result)
+    assert_every_exit_was_heard_as_recorded(result)
     if expect_rc == 0:
         assert_every_process_exited_0(result)
         assert_trials_freed_before_finalization(result)
@@ -395,6 +419,23 @@ def assert_nothing_left(result: Result) -> None:
     assert not result.left_alive, (
         f"processes {result.left_alive} still alive after the launch; logs:\n{result.tail()}"
     )
+
+
+def assert_every_exit_was_heard_as_recorded(result: Result) -> None:
+    """The kernel heard every process that started end, each with the code its own "exit"
+    record predicted: nothing changed it after the record (an abort in the interpreter's
+    finalization, a signal, an ``os._exit``)."""
+    unheard = sorted(pid for pid, status in result.os_exits.items() if status is None)
+    assert not unheard, (
+        f"no exit heard for pids {unheard} (lost events: {ExitWatch.get().lost});"
+        f" logs:\n{result.tail()}"
+    )
+    differ = {
+        e["pid"]: f"recorded {e['predicted']}, kernel {e['code']}"
+        for e in result.of("exit")
+        if e["predicted"] != e["code"]
+    }
+    assert not differ, f"exit codes changed after the record: {differ}; logs:\n{result.tail()}"
 
 
 def assert_every_process_exited_0(result: Result) -> None:
@@ -429,6 +470,9 @@ class LaunchChecks:
 
     def test_no_process_of_the_launch_is_left(self, launch: Result) -> None:
         assert_nothing_left(launch)
+
+    def test_every_exit_the_kernel_reported_is_the_one_recorded(self, launch: Result) -> None:
+        assert_every_exit_was_heard_as_recorded(launch)
 
 
 class CleanLaunch(LaunchChecks):
