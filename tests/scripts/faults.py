@@ -1,7 +1,7 @@
 """The fault a test asks a search script for, named in the launch's environment.
 
     NB_FAULT="raise:follower:trial=2"          rank 1 raises in a training step of its 2nd trial
-    NB_FAULT="sigterm:all:trial=2, sigterm:leader:trial=2:at=record"
+    NB_FAULT="sigterm:all:trial=2, sigterm:leader:trial=2:at=settle"
 
 One fault is ``KIND:WHO[:trial=N][:at=POINT][:s=SECONDS][:until=PATH]``; several are
 separated by commas.
@@ -11,9 +11,11 @@ separated by commas.
   ``sample``: while NePS samples the next one after the N-th). Without it: every trial.
 - POINT (``fit`` unless given): where the scripts call ``faults.at(POINT)``: ``before``
   (in the function, before ``session()``), ``session`` (first thing inside it), ``fit`` (a
-  training step), ``after`` (the end of the session block); and three points hooked here
+  training step), ``after`` (the end of the session block); and four points hooked here
   (``install``): ``sample`` (the leader's NePS samples a trial), ``record`` (it records a
-  trial's result), ``reform`` (torch has just formed the group again for the trial).
+  trial's result), ``settle`` (neps_bcast's leader settles an interrupted trial in NePS:
+  puts it back to pending or records it crashed), ``reform`` (torch has just formed the
+  group again for the trial).
 - KIND: ``raise`` (ValueError "injected failure on rank R at POINT"), ``sigkill``,
   ``sigterm``, ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
   sends it), ``sigkill_in`` (a thread SIGKILLs the process ``s`` seconds later),
@@ -131,6 +133,20 @@ def install() -> None:
         _hook_neps()
     if "reform" in points:
         _hook_reform()
+    if "settle" in points:
+        _hook_settle()
+
+
+def _hook_settle() -> None:
+    from neps_bcast.recovery import settle
+
+    real_trial = settle.trial
+
+    def settling(*args: Any, **kwargs: Any) -> Any:
+        at("settle")  # the leader is putting an interrupted trial back, or recording it
+        return real_trial(*args, **kwargs)
+
+    settle.trial = settling  # type: ignore[assignment]
 
 
 def _hook_neps() -> None:
