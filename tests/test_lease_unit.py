@@ -224,24 +224,58 @@ import json, sys
 from pathlib import Path
 from neps_bcast.config import Settings
 from neps_bcast.recovery.lease import Leases
-done = Leases(Path(sys.argv[1]), Settings()).recover_orphans()
-print(json.dumps(done))
+leases = Leases(Path(sys.argv[1]), Settings())
+print("ready", flush=True)
+print(json.dumps(leases.recover_orphans()))
 """
 
 
+def blocked_on_a_lock(pid: int) -> bool:
+    """``pid`` waits for a lock (a ``->`` line of /proc/locks names its waiters)."""
+    lines = Path("/proc/locks").read_text().splitlines()
+    return any("->" in line and line.split()[-4] == str(pid) for line in lines)
+
+
+def holds_open(pid: int, path: Path) -> bool:
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        return any(fd.readlink() == path for fd in fds.iterdir())
+    except OSError:
+        return False
+
+
 def test_two_leaders_never_both_take_one_orphan(tmp_path: Path) -> None:
+    """Three recoverers race for one orphan, forced, not by timing: the test holds the
+    orphan's lease lock until one recoverer waits for it (under NePS's trial lock, so it
+    has read the orphan as evaluating) and the other two wait at NePS's trial lock."""
     first = worker(tmp_path, trials=3, fault="kill", at="2")
     assert first.returncode == -signal.SIGKILL
+    root = tmp_path / "root"
+    trial_lock = (root / ".configs.lock").resolve()
     env = base_env()
-    procs = [
-        subprocess.Popen(
-            [PYTHON, "-c", RECOVER, str(tmp_path / "root")],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(3)
-    ]
+    with lease_lock(root / "configs" / "config_2"):
+        procs = [
+            subprocess.Popen(
+                [PYTHON, "-c", RECOVER, str(root)], env=env, stdout=subprocess.PIPE, text=True
+            )
+            for _ in range(3)
+        ]
+        try:
+            for p in procs:
+                assert p.stdout is not None and p.stdout.readline() == "ready\n"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                inside = [p.pid for p in procs if blocked_on_a_lock(p.pid)]
+                at_the_door = [p.pid for p in procs if holds_open(p.pid, trial_lock)]
+                if len(inside) == 1 and len(at_the_door) == 3:
+                    break
+                time.sleep(0.01)  # a bounded poll of /proc: the race is set when both hold
+            else:
+                raise AssertionError(f"the race never set: {inside=} {at_the_door=}")
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
     outputs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
     taken = [o for o in outputs if o]
     assert len(taken) == 1, outputs
