@@ -156,6 +156,24 @@ def neps_trials(root: Path) -> dict[str, Any]:
     return state.lock_and_read_trials()
 
 
+def with_kernel_exits(events: list[dict[str, Any]], watch: ExitWatch) -> dict[int, int | None]:
+    """Give each "exit" record the status the kernel reported for its process (``code``;
+    what the script predicted becomes ``predicted``); return pid -> that status for every
+    rank that started (None: no exit heard, within 5 s, of a process that may be alive)."""
+    statuses: dict[int, int | None] = {}
+    for e in events:
+        if e["event"] == "start":
+            heard = watch.wait(e["pid"], since=e["t"], timeout=5.0)
+            statuses[e["pid"]] = None if heard is None else heard.status
+    for e in events:
+        if e["event"] == "exit":
+            if e["pid"] not in statuses:  # a script without "start" records
+                heard = watch.wait(e["pid"], since=e["t"], timeout=5.0)
+                statuses[e["pid"]] = None if heard is None else heard.status
+            e["predicted"], e["code"] = e["code"], statuses[e["pid"]]
+    return statuses
+
+
 @dataclass
 class Result:
     """A finished launch: what the launcher returned, the logs, the records."""
@@ -339,10 +357,7 @@ class Running:
             self.kill_all()
         logs = self.rank_logs()
         events = self.events()
-        os_exits = self.os_statuses(events)
-        for e in events:
-            if e["event"] == "exit":
-                e["predicted"], e["code"] = e["code"], os_exits.get(e["pid"])
+        os_exits = with_kernel_exits(events, self.watch)
         return Result(
             name=self.name,
             returncode=self.proc.returncode,
@@ -355,15 +370,6 @@ class Running:
             events=events,
             os_exits=os_exits,
         )
-
-    def os_statuses(self, events: list[dict[str, Any]]) -> dict[int, int | None]:
-        """pid -> its exit status as the kernel reported it, for every rank that started."""
-        statuses: dict[int, int | None] = {}
-        for e in events:
-            if e["event"] == "start":
-                heard = self.watch.wait(e["pid"], since=e["t"], timeout=5.0)
-                statuses[e["pid"]] = None if heard is None else heard.status
-        return statuses
 
 
 def start(

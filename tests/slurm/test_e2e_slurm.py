@@ -24,7 +24,17 @@ from typing import Any
 
 import pytest
 
-from harness import LIGHTNING, MARKER, PYTHON, base_env, marked_pids, neps_trials, read_records
+from exits import ExitWatch
+from harness import (
+    LIGHTNING,
+    MARKER,
+    PYTHON,
+    base_env,
+    marked_pids,
+    neps_trials,
+    read_records,
+    with_kernel_exits,
+)
 from neps_bcast.compat import procfs
 from neps_bcast.recovery.lease_file import read_lease
 
@@ -100,6 +110,7 @@ class Job:
             {MARKER: self.marker, "SLURM_CONF": SLURM_CONF, "MASTER_PORT": str(free_port())}
         )
         self.output = folder / "job.out"
+        self.watch = ExitWatch.get()  # listening before the job's first process starts
         done = subprocess.run(
             [
                 "sbatch",
@@ -126,6 +137,13 @@ class Job:
 
     def events(self) -> list[dict[str, Any]]:
         return read_records(self.folder / "rec")
+
+    def ended(self) -> list[dict[str, Any]]:
+        """``events()`` once the processes they name are gone: each "exit" record's
+        ``code`` is then the status the kernel reported (``harness.with_kernel_exits``)."""
+        events = self.events()
+        with_kernel_exits(events, self.watch)
+        return events
 
     def report(self) -> str:
         """Everything a failure needs: SLURM's view, the job's output, every rank's log."""
@@ -259,7 +277,7 @@ def test_a_requeued_job_evaluates_the_interrupted_trial_again(
     )
     # Every process of the first run is gone: each rank recorded 143 ("requeue me"), and
     # NePS holds trial 2 as pending (not crashed, not evaluating).
-    exits = {e["proc_rank"]: e["code"] for e in job.events() if e["event"] == "exit"}
+    exits = {e["proc_rank"]: e["code"] for e in job.ended() if e["event"] == "exit"}
     assert exits == {0: 143, 1: 143}, job.report()
     assert states(root) == {"1": "success", "2": "pending"}, job.report()
     assert not marked_pids(job.marker), job.report()
@@ -276,7 +294,7 @@ def test_a_requeued_job_evaluates_the_interrupted_trial_again(
     assert info["Restarts"] == "1", report
     assert states(root) == dict.fromkeys("123", "success"), report
 
-    events = job.events()
+    events = job.ended()
     again = [e for e in events if e["pid"] not in first_pids]
     exits_again = {e["proc_rank"]: e["code"] for e in again if e["event"] == "exit"}
     assert exits_again == {0: 0, 1: 0}, report

@@ -159,7 +159,7 @@ def test_a_users_own_usr1_handler_requeues_and_the_trial_resumes(
     job, root, first = submit_stopped_in_trial_2(
         cluster, tmp_path, "requeue_ddp.py", "REQUEUE_RECORD", "REQUEUE_SLOW"
     )
-    events = job.events()
+    events = job.ended()
     assert sorted(e["rank"] for e in of(events, "handler")) == [0, 1], job.report()
     assert {e["rank"]: e["code"] for e in of(events, "exit")} == {0: 0, 1: 0}, job.report()
     saved_step = torch.load(root / "configs" / "config_2" / "checkpoint.pt")["step"]
