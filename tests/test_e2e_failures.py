@@ -711,8 +711,21 @@ class TestTorchrunTheUserDestroysTheGroupAndErrorsRecover(CleanLaunch):
             in reports(launch.root)[4][2]
         )
 
-    def test_every_rank_evaluated_every_trial(self, launch: Result) -> None:
-        assert identical_on_every_rank(launch, 2) == ["1", "2", "3", "4", "5", "6"]
+    def test_every_rank_evaluated_every_trial_but_the_leaders_failed_one(
+        self, launch: Result
+    ) -> None:
+        """Trial 4 fails on the leader as soon as its session() formed the group: the
+        follower, still completing that group's connections, may then fail in its
+        session() before it enters the trial (seen: "Gloo connectFullMesh failed"),
+        which fails trial 4 on every rank all the same."""
+        others = [e for e in launch.events if not (e["event"] == "trial" and e["trial_id"] == "4")]
+        assert identical_on_every_rank(others, 2) == ["1", "2", "3", "5", "6"]
+        fourth = {e["rank"]: e["kwargs"] for e in launch.of("trial") if e["trial_id"] == "4"}
+        if 1 in fourth:
+            assert fourth[1] == fourth[0], fourth
+        else:
+            (raised,) = [e for e in launch.of("raised") if e["seq"] == 4 and e["rank"] == 1]
+            assert "connectFullMesh" in raised["text"], (raised, launch.tail())
 
     def test_the_four_trials_without_an_error_trained_on_both_ranks(self, launch: Result) -> None:
         assert len(launch.of("trained")) == 2 * 4
