@@ -106,7 +106,7 @@ def gloo_allgather_through_root(
         joined = torch.empty(size * len(outputs), dtype=tensor.dtype)
     pg.broadcast([joined], broadcast).wait()  # type: ignore[attr-defined]
     if rank != 0:
-        for output, part in zip(outputs, joined.split(size), strict=True):
+        for output, part in zip(outputs, torch.split(joined, size), strict=True):
             output.copy_(part)
 
 
