@@ -279,7 +279,11 @@ def test_submitit_requeues_a_preempted_trial_and_the_requeued_job_finishes(
         assert trained == [("2", 2, saved_step, 12), ("3", 1, 0, 12)], report
     lease = read_lease(submitter.root / "configs" / "config_2")
     assert lease is not None
-    assert [a.how for a in lease.attempts] == [
-        "preempted: SystemExit(-1) in the SIGUSR2 handler on the leader (exit code -1)"
-    ], lease
+    # submitit's handler requeues the job, then exits -1; the requeue makes SLURM send
+    # SIGTERM to the job's tasks, which can reach the leader while the handler still
+    # runs (seen once beside a second suite): either stop is this preemption.
+    assert [a.how for a in lease.attempts] in (
+        ["preempted: SystemExit(-1) in the SIGUSR2 handler on the leader (exit code -1)"],
+        ["preempted: SIGTERM on the leader (exit code 143)"],
+    ), lease
     job.assert_nothing_left()
