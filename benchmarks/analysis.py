@@ -70,6 +70,7 @@ def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record
     for index, start in enumerate(leader_starts, start=1):
         trial = start[trial_key]
         follower_rows = [row for row in rows if row["rank"] > 0 and row.get(trial_key) == trial]
+        call = neps_calls.get(start.get("trial"))
         follower_entries = [row["t_enter"] for row in follower_rows if "t_enter" in row]
         is_complete = len({row["rank"] for row in follower_rows}) == world - 1
         last_entry = max(follower_entries) if is_complete else None
@@ -83,13 +84,10 @@ def trial_timings(rows: list[Record], trial_key: str, world: int) -> list[Record
                 if last_entry is None or previous_exit is None
                 else last_entry - previous_exit,
                 "sample_s": None if previous_exit is None else start["t_started"] - previous_exit,
-                "steps_s": control_steps_s(
-                    previous_exit, previous_return, neps_calls.get(start.get("trial")), last_entry
-                ),
+                "steps_s": control_steps_s(previous_exit, previous_return, call, last_entry),
             }
         )
         previous_exit = leader_exits.get(trial)
-        call = neps_calls.get(start.get("trial"))
         previous_return = None if call is None else call["t_return"]
     return trials
 
@@ -106,10 +104,8 @@ def control_steps_s(
     ``evaluate_trial`` to the last follower entering the trial (the lease, the handoff).
     What lies between the two (NePS's report, its bookkeeping, its sampling) is NePS's
     worker loop, the same in both systems."""
-    if None in (previous_exit, previous_return, call, last_entry):
+    if previous_exit is None or previous_return is None or call is None or last_entry is None:
         return None
-    assert previous_exit is not None and previous_return is not None
-    assert call is not None and last_entry is not None
     # NePS's followers can find a trial on disk before the leader's NePS calls
     # ``evaluate_trial`` (it writes the trial first): nothing to wait for then, not less.
     return max(0.0, previous_return - previous_exit) + max(0.0, last_entry - call["t_call"])
