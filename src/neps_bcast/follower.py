@@ -1,8 +1,9 @@
 """A follower: evaluates what its leader hands it until the leader says stop.
 
 All of the follower's life is here: the trial loop (``follow``), how it leaves on an
-interrupt (its control channel closed at once) and when its leader is lost (exit
-without the interpreter's final garbage collection, ``_freeze_at_exit``).
+interrupt (its control channel closed at once), and how its process ends quickly
+however it stops (without the interpreter's final garbage collection,
+``_freeze_at_exit``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from neps_bcast.errors import LeaderLostError, SearchStopped
+from neps_bcast.ddp.teardown import free_trials_at_exit
+from neps_bcast.errors import SearchStopped
 from neps_bcast.recovery.signals import stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import StopMessage, TrialMessage
@@ -58,12 +60,10 @@ def run_follower(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) ->
 
     ``first_contact``: a Lightning child, whose first trial waits in the leader's store.
     """
+    _exit_without_collecting()
     try:
         with stop_signals():
             follow(rt, fn, rt.first_contact() if first_contact else None)
-    except LeaderLostError:
-        _exit_without_collecting()
-        raise
     except BaseException:
         # SIGTERM, Ctrl-C, sys.exit, an error of ours: close neps_bcast's own gloo group
         # (the channel) now. Left to the interpreter's finalization, its worker threads
@@ -76,23 +76,31 @@ def run_follower(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) ->
 
 
 def _exit_without_collecting() -> None:
-    """A follower that lost its leader: its interpreter's exit skips the cyclic garbage
-    collection of everything it imported (``_freeze_at_exit``).
+    """A follower's interpreter exit skips the cyclic garbage collection of everything
+    it imported (``_freeze_at_exit``), however the follower stops.
 
     Why: whoever waits for this process (torchrun, srun, a scheduler, the launch's
-    last process; Lightning's observer died with the leader) waits for it to be gone,
-    and that collection frees every object torch, Lightning and NePS made (about
-    470,000, in 4,700 modules): measured on 2 busy cores (load 10), 2.5 to 7 s between
-    the follower's last line of Python and the end of its process; 0.5 to 0.7 s with
-    it skipped. Registered here, not where the loss was seen: a follower whose own code
-    catches the error and goes on is not affected until it exits.
+    last process) waits for it to be gone, and that collection frees every object
+    torch, Lightning and NePS made (about 470,000, in 4,700 modules): measured on 2
+    busy cores (load 10), 2.5 to 7 s between the follower's last line of Python and
+    the end of its process; 0.5 to 0.7 s with it skipped. A lost leader's follower is
+    waited for. A follower whose leader's ``neps.run`` raised is raced: the leader
+    exits non-zero right after their goodbye, and torchrun then SIGTERMs every worker
+    still alive, so a follower still in that collection ended with -15 instead of its 0
+    (CI, 2 busy cores: 1.8 s after its last atexit handler). Registered when the
+    follower starts; it acts only at exit, so a script that goes on after ``run``
+    returns is not affected until it exits.
     """
     atexit.unregister(_freeze_at_exit)  # once, however many times a leader was lost
     atexit.register(_freeze_at_exit)
 
 
 def _freeze_at_exit() -> None:
-    """Flush every open file, then freeze every object out of the garbage collector.
+    """Flush every open file, free what the trials left (``free_trials_at_exit``: the
+    group destroyed, one collection, so no gloo group is left to finalization), then
+    freeze every object out of the garbage collector. Flushed first: a collected cycle
+    closes its files in no set order, and a text file closed after its buffer loses
+    what it held (measured: the unit test's file came out empty).
 
     Runs as the first atexit handler (the last registered): every other handler runs
     after it as usual (logging's shutdown flushes and closes its handlers), so do the
@@ -123,6 +131,7 @@ def _freeze_at_exit() -> None:
             if not stream.closed and stream.writable():
                 stream.flush()
     del objects, types, type_ids, distinct
+    free_trials_at_exit()
     gc.freeze()
 
 
