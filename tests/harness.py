@@ -430,7 +430,10 @@ def assert_nothing_left(result: Result) -> None:
 def assert_every_exit_was_heard_as_recorded(result: Result) -> None:
     """The kernel heard every process that started end, each with the code its own "exit"
     record predicted: nothing changed it after the record (an abort in the interpreter's
-    finalization, a signal, an ``os._exit``)."""
+    finalization, a signal, an ``os._exit``). One exception, torchrun's own: once a
+    worker fails it SIGTERMs the others ("Sending process N closing signal SIGTERM"), so
+    when every rank fails (different arguments) the one still finalizing ends with -15
+    though its record, already a failure, said 1; which one is a race of their exits."""
     unheard = sorted(pid for pid, status in result.os_exits.items() if status is None)
     assert not unheard, (
         f"no exit heard for pids {unheard} (lost events: {ExitWatch.get().lost});"
@@ -440,6 +443,11 @@ def assert_every_exit_was_heard_as_recorded(result: Result) -> None:
         e["pid"]: f"recorded {e['predicted']}, kernel {e['code']}"
         for e in result.of("exit")
         if e["predicted"] != e["code"]
+        and not (
+            e["predicted"] != 0
+            and e["code"] == -15
+            and f"Sending process {e['pid']} closing signal SIGTERM" in result.log
+        )
     }
     assert not differ, f"exit codes changed after the record: {differ}; logs:\n{result.tail()}"
 

@@ -431,8 +431,9 @@ class TestRanksWithDifferentArgumentsFailOnEveryRank(LaunchChecks):
     def test_every_rank_exited_with_1_naming_the_difference(self, launch: Result) -> None:
         exits = launch.exits
         assert sorted(exits) == [0, 1]
-        for e in exits.values():
-            assert e["code"] == 1 and "called neps_bcast.run with different" in e["error"], e
+        for e in exits.values():  # the script's own code: torchrun may SIGTERM the later
+            # one (test_every_exit_the_kernel_reported_is_the_one_recorded)
+            assert e["predicted"] == 1 and "called neps_bcast.run with different" in e["error"], e
 
 
 class TestTrainerDevicesInconsistentWithTheWorldSize(LaunchChecks):
