@@ -83,15 +83,15 @@ def _exit_without_collecting() -> None:
     last process) waits for it to be gone, and that collection frees every object
     torch, Lightning and NePS made (about 470,000, in 4,700 modules): measured on 2
     busy cores (load 10), 2.5 to 7 s between the follower's last line of Python and
-    the end of its process; 0.5 to 0.7 s with it skipped. A lost leader's follower is
-    waited for. A follower whose leader's ``neps.run`` raised is raced: the leader
-    exits non-zero right after their goodbye, and torchrun then SIGTERMs every worker
-    still alive, so a follower still in that collection ended with -15 instead of its 0
-    (CI, 2 busy cores: 1.8 s after its last atexit handler). Registered when the
-    follower starts; it acts only at exit, so a script that goes on after ``run``
-    returns is not affected until it exits.
+    the end of its process; 0.5 to 0.7 s with it skipped. And when the leader's
+    ``neps.run`` raises, the leader exits non-zero right after their goodbye and
+    torchrun SIGTERMs every worker still alive: a follower still in that collection
+    ended with -15 instead of 0 (CI: 1.8 s after its last atexit handler). Registered
+    when the follower starts; it acts only at exit. ``_freeze_at_exit`` does
+    ``free_trials_at_exit``'s work first, so that handler is not run a second time.
     """
-    atexit.unregister(_freeze_at_exit)  # once, however many times a leader was lost
+    atexit.unregister(free_trials_at_exit)
+    atexit.unregister(_freeze_at_exit)  # once, however often run is called
     atexit.register(_freeze_at_exit)
 
 
