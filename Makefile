@@ -12,7 +12,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test lint bench bench-full clean install-newest test-newest test-slurm docs
+.PHONY: install demo test test-faults lint bench bench-full clean install-newest test-newest test-slurm docs
 
 install: $(STAMP)
 
@@ -29,6 +29,11 @@ demo: install
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
+
+# Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
+# cell and its rerun, spread over the workers cell by cell.
+test-faults: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) --dist load -p no:cacheprovider tests/sweep
 
 # A real one-node SLURM cluster (slurmctld, slurmd, munge; installed with apt-get when missing,
 # as root), the tests in tests/slurm against it, then the cluster stopped whatever the result.
@@ -67,9 +72,11 @@ bench: install
 bench-full: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/run.py --full
 
-# docs/configuration.md, generated from neps_bcast.config (tests/test_docs.py checks it is current).
+# docs/configuration.md, generated from neps_bcast.config, and the fault tables (docs/fault-sweep.md,
+# failures.md's "How a trial ends") from tests/sweep/table.py; tests/test_docs.py checks both are current.
 docs: install
 	$(PY) docs/generate_configuration.py --write
+	$(PY) docs/generate_fault_table.py --write
 
 clean:
 	rm -rf $(VENV) $(VENV_NEWEST) results

@@ -583,3 +583,30 @@ def test_anchors_are_githubs_slugs() -> None:
     assert slug('Lightning `strategy="ddp"` (Lightning starts the ranks)') == (
         "lightning-strategyddp-lightning-starts-the-ranks"
     )
+
+
+def _fault_tables() -> ModuleType:
+    path = DOCS / "generate_fault_table.py"
+    spec = importlib.util.spec_from_file_location("generate_fault_table", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fault_sweep_page_is_generated_from_the_sweeps_table() -> None:
+    generator = _fault_tables()
+    page = DOCS / "fault-sweep.md"
+    assert page.exists() and page.read_text() == generator.render_page(generator.table()), (
+        "docs/fault-sweep.md differs from what docs/generate_fault_table.py renders from"
+        " tests/sweep/table.py: run `make docs` and commit the result"
+    )
+
+
+def test_how_a_trial_ends_is_generated_from_the_sweeps_table() -> None:
+    generator = _fault_tables()
+    text = (DOCS / "failures.md").read_text()
+    assert generator.render_failures(generator.table(), text) == text, (
+        "docs/failures.md's 'How a trial ends' differs from tests/sweep/table.py's ROWS:"
+        " run `make docs` and commit the result"
+    )

@@ -3,8 +3,8 @@
     NB_FAULT="raise:follower:trial=2"          rank 1 raises in a training step of its 2nd trial
     NB_FAULT="sigterm:all:trial=2, sigterm:leader:trial=2:at=settle"
 
-One fault is ``KIND:WHO[:trial=N][:at=POINT][:s=SECONDS][:until=PATH]``; several are
-separated by commas.
+One fault is ``KIND:WHO[:trial=N][:at=POINT][:to=WHOM][:s=SECONDS][:until=PATH]``;
+several are separated by commas.
 
 - WHO: ``leader`` (rank 0), ``follower`` (rank 1) or ``all``.
 - ``trial=N``: the process's N-th evaluation (1-based, in the order it evaluates them; at
@@ -15,9 +15,20 @@ separated by commas.
   (``install``): ``sample`` (the leader's NePS samples a trial), ``record`` (it records a
   trial's result), ``settle`` (neps_bcast's leader settles an interrupted trial in NePS:
   puts it back to pending or records it crashed), ``reform`` (torch has just formed the
-  group again for the trial).
+  group again for the trial). And the control steps of neps_bcast's own loops, hooked
+  the same way (tests/sweep/table.py names each): ``lease`` and ``leased`` (the
+  leader, before and after it takes the trial's lease), ``handed`` (the leader, right
+  after it handed the trial to the group), ``exchange`` (every rank, before the
+  trial-end exchange), ``orphans`` (the leader, before it looks for orphans between
+  trials), ``form`` (every rank, before the group is formed again for the trial), and
+  ``stop`` (the leader, before it sends STOP at the end of the search).
+- ``to=WHOM`` (a signal kind only): the process at the point signals ``leader``,
+  ``follower`` or ``all`` instead of itself (every rank of that role, the others first),
+  read from the launch's "start" records: a fault that lands on one process while
+  another is at a step.
 - KIND: ``raise`` (ValueError "injected failure on rank R at POINT"), ``sigkill``,
-  ``sigterm``, ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
+  ``sigterm``, ``sigterm2`` (SIGTERM, and a second one ``s`` seconds later, from a thread),
+  ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
   sends it), ``sigkill_in`` (a thread SIGKILLs the process ``s`` seconds later),
   ``kill_parent`` (SIGKILL to the parent: a Lightning child kills its leader), ``sleep``
   (``s`` seconds), ``hold`` (waits, 180 s at most, until the file ``until`` exists: a
@@ -26,12 +37,14 @@ separated by commas.
   the Trainer asks for one device more than the group has) and ``unpicklable``
   (tests/scripts/space_tools.py: NePS builds an argument that cannot be pickled).
 
-Every fault that fires is recorded ("fault": kind, point, trial, rank) before it acts.
+Every fault that fires is recorded ("fault": kind, point, trial, rank, and the pids it
+signals) before it acts; a fault fires at most once per trial in a process.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import signal
 import threading
@@ -53,6 +66,8 @@ class Fault:
     at: str = "fit"
     seconds: float = 1.0
     until: str = ""
+    to: str = ""
+    """Whom a signal kind signals: "" (this process), "leader", "follower" or "all"."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -60,24 +75,33 @@ def parse(spec: str) -> list[Fault]:
     for text in filter(None, (part.strip() for part in spec.split(","))):
         kind, who, *options = text.split(":")
         keys = dict(option.split("=", 1) for option in options)
-        unknown = set(keys) - {"trial", "at", "s", "until"}
-        if who not in WHO or unknown:
+        unknown = set(keys) - {"trial", "at", "s", "until", "to"}
+        if who not in WHO or unknown or keys.get("to", "leader") not in WHO:
             raise ValueError(f"NB_FAULT: cannot read {text!r}")
         trial = int(keys["trial"]) if "trial" in keys else None
         seconds = float(keys.get("s", 1.0))
+        at_point = keys.get("at", "fit")
         faults.append(
-            Fault(kind, WHO[who], trial, keys.get("at", "fit"), seconds, keys.get("until", ""))
+            Fault(
+                kind, WHO[who], trial, at_point, seconds, keys.get("until", ""), keys.get("to", "")
+            )
         )
     return faults
 
 
 FAULTS = parse(os.environ.get("NB_FAULT", ""))
+FIRED: set[tuple[int, int]] = set()
+"""(fault index, trial) pairs that fired in this process: each fires once per trial."""
 
 
 def _matching(kind: str | None, point: str | None, trial: int) -> list[Fault]:
+    return [f for _, f in _indexed(kind, point, trial)]
+
+
+def _indexed(kind: str | None, point: str | None, trial: int) -> list[tuple[int, Fault]]:
     return [
-        f
-        for f in FAULTS
+        (i, f)
+        for i, f in enumerate(FAULTS)
         if (kind is None or f.kind == kind)
         and (point is None or f.at == point)
         and f.rank in (None, my_rank())
@@ -85,18 +109,33 @@ def _matching(kind: str | None, point: str | None, trial: int) -> list[Fault]:
     ]
 
 
+SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
+
+
+UPCOMING = {"lease", "leased", "handed", "form"}
+"""Steps of a trial before the user's function is called: SEQ still counts the last."""
+
+
 def at(point: str) -> None:
     """Inject the faults named for this point, this rank and this trial."""
-    for f in _matching(None, point, SEQ["n"]):
-        record("fault", kind=f.kind, where=point, seq=SEQ["n"], rank=my_rank())
+    seq = SEQ["n"] + 1 if point in UPCOMING else SEQ["n"]
+    for i, f in _indexed(None, point, seq):
+        if (i, seq) in FIRED:
+            continue
+        FIRED.add((i, seq))
+        targets = _pids(f.to) if f.to else [os.getpid()]
+        record("fault", kind=f.kind, where=point, seq=seq, rank=my_rank(), to=f.to, pids=targets)
         if f.kind == "raise":
             raise ValueError(f"injected failure on rank {my_rank()} at {point}")
-        if f.kind == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if f.kind == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)
-        if f.kind == "sigint":
-            os.kill(os.getpid(), signal.SIGINT)
+        if f.kind in SIGNALS:
+            for pid in targets:
+                os.kill(pid, SIGNALS[f.kind])
+        if f.kind == "sigterm2":
+            for pid in targets:
+                os.kill(pid, signal.SIGTERM)
+            again = threading.Timer(f.seconds, _signal_all, (targets, signal.SIGTERM))
+            again.daemon = True
+            again.start()
         if f.kind == "ctrl_c":
             os.killpg(os.getpgrp(), signal.SIGINT)
         if f.kind == "sigkill_in":
@@ -111,6 +150,33 @@ def at(point: str) -> None:
             while not Path(f.until).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)  # test orchestration only: released by the test
             record("released", where=point, seq=SEQ["n"], rank=my_rank())
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass  # gone already: the first signal ended it
+    record("fault", kind="second signal", rank=my_rank(), pids=pids)
+
+
+def _pids(whom: str) -> list[int]:
+    """The pids of the launch's ranks of one role (this process's last), from their
+    "start" records: ``leader`` (rank 0), ``follower`` (every other rank), ``all``."""
+    from probe import RECORD
+
+    assert RECORD is not None, "a fault with to= needs NB_RECORD_DIR"
+    ranks: dict[int, int] = {}
+    for path in RECORD.glob("pid*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event["event"] == "start":
+                ranks[event["pid"]] = event["proc_rank"]
+    chosen = [
+        pid for pid, rank in ranks.items() if whom == "all" or (rank == 0) == (whom == "leader")
+    ]
+    return sorted(chosen, key=lambda pid: pid == os.getpid())
 
 
 def fires(kind: str, trial: int) -> bool:
@@ -129,8 +195,12 @@ def devices(asked: int) -> int:
 def install() -> None:
     """Hook the points that lie inside NePS and torch, only when a fault names them."""
     points = {f.at for f in FAULTS}
+    if FAULTS:
+        _record_neps_order()
     if points & {"sample", "record"}:
         _hook_neps()
+    if points & STEPS.keys():
+        _hook_steps(points & STEPS.keys())
     if "reform" in points:
         _hook_reform()
     if "settle" in points:
@@ -138,15 +208,42 @@ def install() -> None:
 
 
 def _hook_settle() -> None:
+    """``settle``: inside neps_bcast's settling of an interrupted trial, where it puts
+    the trial back (``Leases.give_back``) or records it crashed (``record_crashed``): a
+    fault here is one that lands while the trial is settled."""
+    from neps_bcast.compat import neps as neps_compat
     from neps_bcast.recovery import settle
+    from neps_bcast.recovery.lease import Leases
 
-    real_trial = settle.trial
+    real_give_back = Leases.give_back
+    real_record = neps_compat.record_crashed
 
-    def settling(*args: Any, **kwargs: Any) -> Any:
-        at("settle")  # the leader is putting an interrupted trial back, or recording it
-        return real_trial(*args, **kwargs)
+    def giving_back(self: Any, *args: Any, **kwargs: Any) -> Any:
+        at("settle")  # the leader is putting an interrupted trial back to pending
+        return real_give_back(self, *args, **kwargs)
 
-    settle.trial = settling  # type: ignore[assignment]
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        at("settle")  # the leader is recording an interrupted trial crashed
+        return real_record(*args, **kwargs)
+
+    Leases.give_back = giving_back  # type: ignore[method-assign]
+    settle.neps_compat.record_crashed = recording  # type: ignore[attr-defined]
+
+
+def _record_neps_order() -> None:
+    """Record each trial NePS hands to this leader ("neps_trial": its id, in order), as
+    it calls the evaluate function: a test maps the N-th evaluation to NePS's trial id
+    even when the fault lands before the user's function runs."""
+    import neps.runtime
+
+    real = neps.runtime.evaluate_trial
+
+    def evaluating(*args: Any, **kwargs: Any) -> Any:
+        trial = kwargs.get("trial", args[0] if args else None)
+        record("neps_trial", trial_id=str(getattr(trial, "id", "?")))
+        return real(*args, **kwargs)
+
+    neps.runtime.evaluate_trial = evaluating
 
 
 def _hook_neps() -> None:
@@ -201,3 +298,41 @@ def _hook_reform() -> None:
             SEQ["n"] -= 1
 
     dist.init_process_group = init
+
+
+STEPS = {
+    "lease": ("neps_bcast.recovery.lease", "Leases", "take", "before"),
+    "leased": ("neps_bcast.recovery.lease", "Leases", "take", "after"),
+    "handed": ("neps_bcast.runtime", "Runtime", "send", "after"),
+    "exchange": ("neps_bcast.trial", "TrialRun", "end", "before"),
+    "orphans": ("neps_bcast.recovery.lease", "Leases", "recover_orphans_if_due", "before"),
+    "form": ("neps_bcast.runtime", "Runtime", "reform_group", "before"),
+    "stop": ("neps_bcast.runtime", "Runtime", "shutdown", "before"),
+}
+"""The control steps a fault may land in: the method each wraps, and on which side of
+its call (``form`` also wraps ``Runtime.form_group_for_session``, torchrun's forming)."""
+
+
+def _hook_steps(points: set[str]) -> None:
+    import importlib
+
+    for point in sorted(points):
+        module, cls_name, method, side = STEPS[point]
+        cls = getattr(importlib.import_module(module), cls_name)
+        names = [method, "form_group_for_session"] if point == "form" else [method]
+        for name in names:
+            setattr(cls, name, _around(getattr(cls, name), point, side))
+
+
+def _around(real: Any, point: str, side: str) -> Any:
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if point == "handed" and type(args[0]).__name__ != "TrialMessage":
+            return real(self, *args, **kwargs)  # STOP is not a hand-over
+        if side == "before":
+            at(point)
+        result = real(self, *args, **kwargs)
+        if side == "after":
+            at(point)
+        return result
+
+    return step

@@ -1,0 +1,434 @@
+"""Every fault at every step: the table the fault-point sweep checks, and the docs show.
+
+One cell is a launcher, a step (``POINTS``: where in the leader's or the followers'
+loop the fault lands) and a fault (``FAULTS``). Its expected outcome (``expect``) comes
+from the rules of "How a trial ends" (``ROWS``, the same rows docs/failures.md shows,
+generated from here by docs/generate_fault_table.py): which state NePS holds each trial
+in after the launch, the exit status the kernel reports for the leader and for the
+follower, and whether running the same command again must finish the budget with the
+interrupted trial a success. The sweep (tests/sweep/test_sweep.py) runs every reachable
+cell; a cell that cannot be reached says why.
+
+Nothing here imports torch, NePS or neps_bcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAUNCHERS = ("lightning", "torchrun")
+"""``python script.py`` under Lightning ``strategy="ddp"`` (Lightning starts the
+follower) and ``torchrun --standalone --nproc-per-node 2`` with a plain DDP loop."""
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    what: str
+    owner: str
+    """Who reaches the step: "leader", or "every" rank."""
+    kind: str
+    """"before" (in the trial, before the hand-over), "trial" (in the trial, the
+    followers hold it), "settle" (the leader settles an interrupted trial), "between"
+    (the trial ended, NePS records it and samples the next), "end" (the search is over)."""
+    trial: int | None = 2
+    """The trial (by the leader's order of evaluation) the fault lands in."""
+    prelude: str = ""
+    """A fault that must come first for the step to be reached at all."""
+    trials: int = 3
+    """The search's budget (``--trials``)."""
+
+
+POINTS = (
+    Point("lease", "before the leader takes the trial's lease", "leader", "before"),
+    Point("leased", "after the lease is taken, before the hand-over", "leader", "before"),
+    Point("handed", "right after the leader handed the trial to the group", "leader", "trial"),
+    Point(
+        "form",
+        "re-forming the group for the trial after a failed one",
+        "every",
+        "trial",
+        trial=3,
+        prelude="raise:follower:trial=2:at=fit",
+        trials=4,
+    ),
+    Point("fit", "in the user's function (a training step)", "every", "trial"),
+    Point("exchange", "before the trial-end exchange", "every", "trial"),
+    Point(
+        "settle",
+        "while the leader settles an interrupted trial (after SIGTERM to it in fit)",
+        "leader",
+        "settle",
+        prelude="sigterm:leader:trial=2:at=fit",
+    ),
+    Point("record", "while NePS records the finished trial", "leader", "between"),
+    Point("orphans", "while the leader looks for orphans between trials", "leader", "between"),
+    Point("sample", "while NePS samples the next trial", "leader", "between"),
+    Point("stop", "at STOP and the goodbye, the search over", "leader", "end", None, trials=2),
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    what: str
+    kind: str
+    """tests/scripts/faults.py's KIND."""
+    to: str = ""
+    """Whom a signal goes to (faults.py's ``to=``); "" for an exception at the step."""
+
+
+FAULTS = (
+    Fault("term_leader", "SIGTERM to the leader", "sigterm", "leader"),
+    Fault("term_follower", "SIGTERM to the follower", "sigterm", "follower"),
+    Fault("term_all", "SIGTERM to every rank at once (preemption)", "sigterm", "all"),
+    Fault("term_twice", "SIGTERM to the leader twice, 0-300 ms apart", "sigterm2", "leader"),
+    Fault("int_leader", "SIGINT to the leader", "sigint", "leader"),
+    Fault("kill_leader", "SIGKILL to the leader", "sigkill", "leader"),
+    Fault("kill_follower", "SIGKILL to the follower", "sigkill", "follower"),
+    Fault(
+        "raise", "an exception at the step (the follower's, where every rank reaches it)", "raise"
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """A row of "How a trial ends"."""
+
+    key: str
+    how: str
+    state: str
+    next_by: str
+    exits: str
+
+
+ROWS = (
+    Row("returns", "the function returns", "`success`", "nobody", "0 at the end of the search"),
+    Row(
+        "user_error",
+        "the user's code raises on any rank (a bad config), or a step of neps_bcast's own"
+        " before the trial's result raises",
+        "`crashed`, with every rank's error",
+        "nobody, never retried (1)",
+        "1 (`WorkerRaiseError`); with `ignore_errors=True` the search goes on",
+    ),
+    Row(
+        "preempted",
+        "SIGTERM to the launch or to the leader (preemption, `scancel`,"
+        " `--signal=TERM@...`), after any handler installed before `run`; a second SIGTERM"
+        " while the first is handled is ignored",
+        "`pending`",
+        "the next leader (2)",
+        "143 on every rank that got it (3); a follower the leader stopped: 0",
+    ),
+    Row(
+        "handler_exits",
+        "a handler of SIGTERM / SIGUSR1 / SIGUSR2 exits (`--signal=USR1@...`"
+        " requeue-and-exit, submitit), or the code exits after such a signal",
+        "`pending`",
+        "the next leader (2)",
+        "the handler's own",
+    ),
+    Row(
+        "follower_terminated",
+        "SIGTERM to one follower",
+        "`pending`; the leader samples nothing for its broken group",
+        "the next leader (2)",
+        "follower 143, leader 1 (`FollowerLostError: rank 1 was terminated ...`)",
+    ),
+    Row(
+        "follower_lost",
+        "a follower is killed (SIGKILL, the OOM killer) or lost",
+        "`pending`; the leader samples nothing for its broken group",
+        "the next leader (2)",
+        "leader 1 (`FollowerLostError: rank 1 lost: signal 9 (SIGKILL)`)",
+    ),
+    Row(
+        "leader_lost",
+        "the leader is killed (SIGKILL, OOM), or NePS's own recording or sampling raises in it",
+        "`evaluating` until a leader proves it dead, then `pending`",
+        "the next leader on the root, or a running one after its trial; at once on the"
+        " same machine",
+        "followers 1 (`LeaderLostError`); a leader whose `neps.run` raised: 1, its followers 0",
+    ),
+    Row(
+        "node_lost",
+        "the leader's node is lost (power, network, a container on another node)",
+        "`evaluating` until its heartbeat is older than `NEPS_BCAST_LEASE_GRACE_S`, then `pending`",
+        "a leader on another host or container, at its start or after its trial",
+        "-",
+    ),
+    Row(
+        "retries_spent",
+        "an infrastructure row, more than `NEPS_BCAST_MAX_RETRIES` (3) times for one trial",
+        "`crashed`, listing every attempt (who, when, how it ended)",
+        "nobody",
+        "as the row",
+    ),
+    Row(
+        "user_stop",
+        "Ctrl-C / SIGINT, `sys.exit` in the function with no stop signal before it: the"
+        " user's own stop",
+        "`crashed` (`interrupted: ...`)",
+        "nobody",
+        "1 (-2 where Python re-raises SIGINT on itself)",
+    ),
+    Row(
+        "between_trials",
+        "any of these between two trials (while NePS records the last and samples the"
+        " next): the stop waits for the leader's next step",
+        "the finished trial as recorded; the next one, if NePS sampled it, as its row says",
+        "as the row",
+        "as the row",
+    ),
+)
+
+ROW_KEYS = {row.key for row in ROWS}
+
+
+@dataclass(frozen=True)
+class Expect:
+    row: str
+    """The row of ``ROWS`` whose rule this cell follows."""
+    trials: dict[str, frozenset[str]]
+    """Trial id -> the NePS states it may be in after the launch (ids in a fresh root
+    are the order NePS sampled them: "1", "2", ...)."""
+    leader: frozenset[int]
+    """The exit statuses the kernel may report for the leader (-N: signal N)."""
+    follower: frozenset[int]
+    rerun: bool
+    """Running the same command again must finish the budget, every retried trial a
+    success."""
+    note: str = ""
+    goes_on: bool = False
+    """The search goes on after the cell's trials: every later trial a success."""
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    why: str
+
+
+S = frozenset
+
+
+def states(*pairs: tuple[int, str | tuple[str, ...]]) -> dict[str, frozenset[str]]:
+    return {str(n): S((s,) if isinstance(s, str) else s) for n, s in pairs}
+
+
+OK = "success"
+
+
+def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
+    """What one cell must end in, by the rows of "How a trial ends"."""
+    n = point.trial or point.trials
+    done = [(i, OK) for i in range(1, n)]
+    if point.prelude.startswith("raise"):
+        done = [(i, OK if i != n - 1 else "crashed") for i in range(1, n)]
+    torchrun = launcher == "torchrun"
+    # torchrun SIGTERMs every worker still alive once one exits non-zero ("Sending
+    # process N closing signal SIGTERM"): a follower told to stop may be caught by it.
+    stopped = S({0, -15, 143}) if torchrun else S({0})
+    # Lightning turns Ctrl-C in its fit into exit 1; elsewhere Python re-raises SIGINT.
+    interrupt_exit = S({1, -2})
+
+    if point.kind == "end":
+        every = states(*[(i, OK) for i in range(1, point.trials + 1)])
+        return _at_the_end(fault, every, stopped, interrupt_exit, torchrun)
+
+    if point.kind == "settle":
+        # The prelude (SIGTERM to the leader in fit) has the trial on its way back to
+        # pending; the fault lands while the leader puts it there.
+        pending = states(*done, (n, "pending"))
+        if fault.name in ("term_leader", "term_twice", "term_all"):
+            return Expect("preempted", pending, S({143}), _also(stopped, 143), True)
+        if fault.name == "term_follower":
+            return Expect("preempted", pending, S({143}), S({0, 143, -15}), True)
+        if fault.name == "int_leader":
+            return Expect(
+                "preempted",
+                pending,
+                S({143}),
+                stopped,
+                True,
+                "the first stop wins; Ctrl-C is a note",
+            )
+        if fault.name == "kill_leader":
+            return Expect(
+                "leader_lost",
+                states(*done, (n, ("evaluating", "pending"))),
+                S({-9}),
+                S({0, 1}),
+                True,
+            )
+        if fault.name == "kill_follower":
+            return Expect("preempted", pending, S({143}), S({-9}), True)
+        return Expect(
+            "preempted",
+            states(*done, (n, ("evaluating", "pending"))),
+            S({143}),
+            stopped,
+            True,
+            "a settle that raises is a note on the SIGTERM; the lease puts the trial back",
+        )
+
+    if point.kind == "between":
+        return _between(point, fault, done, n, stopped, interrupt_exit, torchrun)
+
+    # In the trial: before or after the hand-over.
+    handed = point.kind == "trial"
+    if fault.name in ("term_leader", "term_twice"):
+        return Expect("preempted", states(*done, (n, "pending")), S({143}), stopped, True)
+    if fault.name == "term_all":
+        return Expect(
+            "preempted", states(*done, (n, "pending")), S({143}), _also(stopped, 143), True
+        )
+    if fault.name == "term_follower":
+        return Expect("follower_terminated", states(*done, (n, "pending")), S({1}), S({143}), True)
+    if fault.name == "int_leader":
+        return Expect("user_stop", states(*done, (n, "crashed")), interrupt_exit, stopped, True)
+    if fault.name == "kill_leader":
+        return Expect("leader_lost", states(*done, (n, "evaluating")), S({-9}), S({1}), True)
+    if fault.name == "kill_follower":
+        return Expect("follower_lost", states(*done, (n, "pending")), S({1}), S({-9}), True)
+    # raise
+    rest = [(i, OK) for i in range(n + 1, point.trials + 1)]
+    return Expect(
+        "user_error",
+        states(*done, (n, "crashed"), *rest),
+        S({0}),
+        S({0}),
+        False,
+        "" if handed else "the followers never held the trial",
+        goes_on=True,
+    )
+
+
+def _between(
+    point: Point,
+    fault: Fault,
+    done: list[tuple[int, str]],
+    n: int,
+    stopped: frozenset[int],
+    interrupt_exit: frozenset[int],
+    torchrun: bool,
+) -> Expect:
+    """Trial n ended; NePS records it and samples n + 1. A stop waits for the leader's
+    next step: n stays as recorded, n + 1 (sampled) goes back as its row says."""
+    finished = [*done, (n, OK)]
+    nxt = n + 1
+    if fault.name in ("term_leader", "term_twice"):
+        return Expect(
+            "between_trials", states(*finished, (nxt, "pending")), S({143}), stopped, True
+        )
+    if fault.name == "term_all":
+        return Expect(
+            "between_trials",
+            states(*finished, (nxt, "pending")),
+            S({143}),
+            _also(stopped, 143),
+            True,
+        )
+    if fault.name == "term_follower":
+        return Expect("between_trials", states(*finished, (nxt, "pending")), S({1}), S({143}), True)
+    if fault.name == "int_leader":
+        return Expect(
+            "between_trials", states(*finished, (nxt, "crashed")), interrupt_exit, stopped, True
+        )
+    if fault.name == "kill_leader":
+        # Killed inside NePS's record: the result of n is lost with the process (no
+        # process can record after SIGKILL); n goes back to pending and is evaluated
+        # again. Killed later: n is recorded, n + 1 may not be sampled yet.
+        if point.name == "record":
+            return Expect("leader_lost", states(*done, (n, "evaluating")), S({-9}), S({1}), True)
+        return Expect("leader_lost", states(*finished), S({-9}), S({1}), True)
+    if fault.name == "kill_follower":
+        return Expect("between_trials", states(*finished, (nxt, "pending")), S({1}), S({-9}), True)
+    # raise
+    if point.name == "orphans":
+        return Expect(
+            "between_trials",
+            states(*finished, *[(i, OK) for i in range(nxt, point.trials + 1)]),
+            S({0}),
+            S({0}),
+            False,
+            "a failed look for orphans is logged and retried later",
+            goes_on=True,
+        )
+    if point.name == "record":
+        return Expect("leader_lost", states(*done, (n, "evaluating")), S({1}), stopped, True)
+    return Expect("leader_lost", states(*finished), S({1}), stopped, True)
+
+
+def _at_the_end(
+    fault: Fault,
+    every: dict[str, frozenset[str]],
+    stopped: frozenset[int],
+    interrupt_exit: frozenset[int],
+    torchrun: bool,
+) -> Expect:
+    """The search is over, every trial recorded: nothing is lost whatever comes. A stop
+    that lands on the leader waits until its followers are stopped; the exit statuses
+    say what came."""
+    # Lightning's observer SIGKILLs the leader once a child exited non-zero.
+    observed = S() if torchrun else S({-9})
+    if fault.name in ("term_leader", "term_twice"):
+        return Expect("preempted", every, S({143}), stopped, False)
+    if fault.name == "term_all":
+        return Expect("preempted", every, S({143}) | observed, S({143}), False)
+    if fault.name == "term_follower":
+        return Expect("follower_terminated", every, S({1}) | observed, S({143}), False)
+    if fault.name == "int_leader":
+        return Expect("user_stop", every, interrupt_exit, stopped, False)
+    if fault.name == "kill_leader":
+        return Expect("leader_lost", every, S({-9}), S({1}), False)
+    if fault.name == "kill_follower":
+        return Expect("follower_lost", every, S({1}) | observed, S({-9}), False)
+    return Expect(
+        "leader_lost", every, S({1}), stopped, False, "the followers are stopped all the same"
+    )
+
+
+def _also(codes: frozenset[int], *more: int) -> frozenset[int]:
+    return codes | S(more)
+
+
+def spec(point: Point, fault: Fault) -> str:
+    """The cell's NB_FAULT (tests/scripts/faults.py)."""
+    # Where every rank reaches the step, a signal lands on one rank as the other reaches
+    # it (the leader leaves while its follower is at the trial-end exchange), one to
+    # every rank as the leader does, and the exception is the follower's.
+    follower_reaches = point.owner == "every" and fault.to in ("leader", "")
+    who = "follower" if follower_reaches else "leader"
+    trial = f":trial={point.trial}" if point.trial is not None else ""
+    text = f"{fault.kind}:{who}{trial}:at={point.name}"
+    if fault.to:
+        text += f":to={fault.to}"
+    if fault.kind == "sigterm2":
+        text += f":s={delay(point):g}"
+    return f"{point.prelude}, {text}" if point.prelude else text
+
+
+def delay(point: Point) -> float:
+    """The second SIGTERM's delay: 0 to 300 ms, spread over the steps."""
+    return round(0.3 * POINTS.index(point) / (len(POINTS) - 1), 2)
+
+
+SWEPT = {
+    "torchrun": tuple(p.name for p in POINTS),
+    "lightning": ("handed", "form", "fit", "exchange", "settle", "sample", "stop"),
+}
+"""The steps swept under each launcher: every one under torchrun; under Lightning those
+whose path differs there (Lightning forms the group and starts the follower at trial 1,
+and its observer ends the launch when a child exits non-zero), plus ``sample`` for the
+steps between trials. The others (``lease``, ``leased``, ``record``, ``orphans``) run
+the leader's same code while the follower waits in the same receive under either."""
+
+CELLS = [
+    (launcher, p, f)
+    for launcher in LAUNCHERS
+    for p in POINTS
+    if p.name in SWEPT[launcher]
+    for f in FAULTS
+]
