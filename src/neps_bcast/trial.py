@@ -27,6 +27,7 @@ from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
 from neps_bcast.errors import (
     ErrorRecord,
+    FollowerLostError,
     NepsBcastError,
     ProtocolError,
     TrialFailedError,
@@ -273,9 +274,11 @@ def evaluate_once(
     with run.running():
         result: Any = None
         error: Exception | None = None
+        handed = hand_over is None
         try:
             if hand_over is not None:
                 hand_over()
+                handed = True
             # Part of the trial: once the followers hold it, nothing may end it on one
             # rank only. (Re-forming raised on the leader after the send in CI: a
             # follower that raised before its session had released the new group at
@@ -286,7 +289,12 @@ def evaluate_once(
             if rt.launch.kind == "external":
                 rt.group.name_for_trial()
             result = fn(**message.kwargs)
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
+        except Exception as exc:  # reported to every rank, unless no rank holds the trial
+            if not handed and isinstance(exc, FollowerLostError):
+                # The group lost a rank before it held the trial (a follower killed or
+                # terminated while it waited): not the trial's failure, and no peer is
+                # left to tell; the leader puts it back and stops.
+                raise
             error = exc
         except BaseException as exc:
             stop = preemption(exc)  # a scheduler's stop, however the user's code exited
