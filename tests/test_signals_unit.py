@@ -148,3 +148,41 @@ def test_sys_exit_without_a_stop_signal_and_ctrl_c_stay_the_users_stop() -> None
         assert preemption(info.value) is None
         assert preemption(KeyboardInterrupt()) is None
         assert preemption(ValueError("a bad config")) is None
+
+
+def test_a_ctrl_c_while_waiting_is_raised_at_the_next_step_not_inside_neps() -> None:
+    """Between trials (NePS records the last and samples the next) Ctrl-C waits, as a
+    SIGTERM does: raised inside NePS's report it would leave the finished trial
+    "evaluating". The positive control: outside the wait, Ctrl-C raises at once."""
+    with stop_signals():
+        signals.wait_with_sigterm()
+        send(signal.SIGINT)  # must not raise here
+        with pytest.raises(KeyboardInterrupt):
+            signals.raise_waiting_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            send(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigterm_and_a_ctrl_c_while_waiting_raise_the_sigterm() -> None:
+    """A scheduler's stop comes first: the trial goes back to pending, not crashed."""
+    with stop_signals():
+        signals.wait_with_sigterm()
+        send(signal.SIGINT)
+        send(signal.SIGTERM)
+        with pytest.raises(Terminated):
+            signals.raise_waiting_sigterm()
+        signals.raise_waiting_sigterm()  # nothing left waiting
+
+
+def test_leaving_on_a_stop_a_second_sigterm_cannot_change_the_exit_code() -> None:
+    """The process leaves with the first stop's 143 (a requeue): a second SIGTERM on the
+    way out (scancel twice, torchrun closing its workers) must not end it with -15. The
+    positive control: a block left without a stop gives SIGTERM back to the default."""
+    with pytest.raises(Terminated), stop_signals():
+        send(signal.SIGTERM)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with stop_signals():
+        pass
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

@@ -242,6 +242,7 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
         return fn(*args, **fn_kwargs)
 
     wrapped = wrap(rt, first_trial_releases, root, leases)
+    stopped = False
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
         lightning_compat.before_observer_kills(lambda: let_leader_record(rt, root, leases))
     try:
@@ -255,20 +256,29 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
                     # and NePS hands out pending trials before sampling new ones.
                     leases.recover_orphans()
                 neps.run(wrapped, space, **kwargs)
-                raise_waiting_sigterm()  # one that came while NePS recorded the last trial
             finally:
                 leases.close()
                 guard.release()
                 rt.settled.set()
+            # Every trial is recorded; a stop that came while NePS recorded the last one,
+            # or comes while the followers are stopped, is raised once they are: a
+            # follower that a half-sent STOP left waiting would wait for its leader's
+            # exit instead (and exit 1).
+            wait_with_sigterm()
+            stopped = True  # once: a failed stop is not tried again below
+            try:
+                rt.shutdown("the search is over (the leader's neps.run returned)")
+            finally:
+                raise_waiting_sigterm()
     except SearchAborted as aborted:
         with contextlib.suppress(Exception):
             rt.close()
         raise aborted.error from None
     except BaseException as exc:
-        try:
-            rt.shutdown(f"the leader's neps.run raised {type(exc).__name__}: {exc}")
-        except NepsBcastError as stop_error:
-            rt.log(logging.ERROR, "could not stop the followers: %s", stop_error)
+        if not stopped:
+            try:
+                rt.shutdown(f"the leader's neps.run raised {type(exc).__name__}: {exc}")
+            except NepsBcastError as stop_error:
+                rt.log(logging.ERROR, "could not stop the followers: %s", stop_error)
         raise
-    rt.shutdown("the search is over (the leader's neps.run returned)")
     rt.log(logging.INFO, "done")

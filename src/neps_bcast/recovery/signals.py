@@ -22,6 +22,10 @@ pending and the requeued job evaluates it first. Inside ``neps_bcast.run``:
   stop by the scheduler: it becomes ``Terminated`` with the exit code the user's code
   chose (``preemption``). A ``sys.exit`` without a stop signal stays the user's own
   stop, and so does Ctrl-C.
+- Ctrl-C (SIGINT) waits too while NePS's own code runs between two trials, for the same
+  reason: a ``KeyboardInterrupt`` raised inside NePS's report would leave the finished
+  trial "evaluating" and its result lost. It is raised at the leader's next step, as
+  it is; everywhere else SIGINT is left to the handler already installed.
 """
 
 from __future__ import annotations
@@ -61,29 +65,37 @@ class _State:
         """A stop waits for ``raise_waiting_sigterm`` instead of raising."""
         self.pending: Terminated | None = None
         """The stop that came while waiting."""
+        self.interrupted = False
+        """A Ctrl-C (SIGINT) came while waiting."""
 
 
 _STATE = _State()
 
 
 def wait_with_sigterm() -> None:
-    """From now on a SIGTERM waits for ``raise_waiting_sigterm`` instead of raising.
+    """From now on a SIGTERM (or Ctrl-C) waits for ``raise_waiting_sigterm`` instead of
+    raising.
 
     For the leader while NePS's own code runs between two trials (it records the
-    finished trial, then samples the next): NePS catches only ``Exception``, so a
-    ``Terminated`` raised there would skip its record and leave the trial
-    "evaluating". The signal is raised at our next step instead: when NePS hands over
-    the next trial (which then goes back to pending) or when ``neps.run`` returns.
+    finished trial, then samples the next), and while it stops its followers at the
+    end: NePS catches only ``Exception``, so a ``Terminated`` raised there would skip
+    its record and leave the trial "evaluating". The signal is raised at our next step
+    instead: when NePS hands over the next trial (which then goes back to pending), or
+    once the followers are stopped.
     """
     _STATE.waiting = True
 
 
 def raise_waiting_sigterm() -> None:
-    """Stop waiting; raise the SIGTERM that came while waiting, if one did."""
+    """Stop waiting; raise the SIGTERM that came while waiting, if one did, else the
+    Ctrl-C (a ``KeyboardInterrupt``); a scheduler's stop comes first."""
     _STATE.waiting = False
     pending, _STATE.pending = _STATE.pending, None
+    interrupted, _STATE.interrupted = _STATE.interrupted, False
     if pending is not None:
         raise pending
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _stop(stop: Terminated) -> None:
@@ -98,14 +110,19 @@ def _stop(stop: Terminated) -> None:
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
     """Inside the block, SIGTERM raises ``Terminated`` after the handler already installed
-    has run, and the handlers of SIGUSR1/SIGUSR2 already installed are chained."""
+    has run, the handlers of SIGUSR1/SIGUSR2 already installed are chained, and SIGINT's
+    (Python's, or the user's) is chained so that it can wait (``wait_with_sigterm``)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _STATE.received.clear()
     _STATE.stopping = False
-    _STATE.waiting, _STATE.pending = False, None
+    _STATE.waiting, _STATE.pending, _STATE.interrupted = False, None, False
     installed: dict[int, tuple[Any, Callable[[int, Any], None]]] = {}
+    previous_int = signal.getsignal(signal.SIGINT)
+    if callable(previous_int):  # not where SIGINT is ignored or left to the OS
+        installed[signal.SIGINT] = (previous_int, _interrupt(previous_int))
+        signal.signal(signal.SIGINT, installed[signal.SIGINT][1])
     for signum in STOP_SIGNALS:
         previous = signal.getsignal(signum)
         if signum == signal.SIGTERM and previous == signal.SIG_IGN:
@@ -115,13 +132,36 @@ def stop_signals() -> Iterator[None]:
         ours = _chained(signum, previous)
         signal.signal(signum, ours)
         installed[signum] = (previous, ours)
+    leaving_on_a_stop = False
     try:
         yield
+    except Terminated:
+        leaving_on_a_stop = True
+        raise
     finally:
         for number, (previous, ours) in installed.items():
             if signal.getsignal(number) is ours:  # unless someone replaced ours since
                 signal.signal(number, previous)
-        _STATE.waiting, _STATE.pending = False, None
+        if leaving_on_a_stop and signal.SIGTERM in installed:
+            # The process is on its way out with the first stop's exit code (143 asks
+            # to be requeued): a second SIGTERM (scancel twice, torchrun closing its
+            # workers) must not end it with -15 on the way.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _STATE.waiting, _STATE.pending, _STATE.interrupted = False, None, False
+
+
+def _interrupt(previous: Callable[[int, Any], Any]) -> Callable[[int, Any], None]:
+    """Ctrl-C: noted while the leader waits between trials, else the handler before ours
+    (Python's raises ``KeyboardInterrupt``)."""
+
+    def handler(received: int, frame: types.FrameType | None) -> None:
+        if _STATE.waiting:
+            _STATE.interrupted = True
+            return
+        previous(received, frame)
+
+    handler.neps_bcast_chained = previous  # type: ignore[attr-defined]  # for tests and debugging
+    return handler
 
 
 def _chained(signum: int, previous: Any) -> Callable[[int, Any], None]:
