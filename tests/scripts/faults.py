@@ -112,13 +112,10 @@ def _indexed(kind: str | None, point: str | None, trial: int) -> list[tuple[int,
 SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
 
 
-UPCOMING = {"lease", "leased", "handed", "form"}
-"""Steps of a trial before the user's function is called: SEQ still counts the last."""
-
-
-def at(point: str) -> None:
-    """Inject the faults named for this point, this rank and this trial."""
-    seq = SEQ["n"] + 1 if point in UPCOMING else SEQ["n"]
+def at(point: str, upcoming: bool = False) -> None:
+    """Inject the faults named for this point, this rank and this trial (``upcoming``:
+    a step of a trial before its function is called, while SEQ still counts the last)."""
+    seq = SEQ["n"] + 1 if upcoming else SEQ["n"]
     for i, f in _indexed(None, point, seq):
         if (i, seq) in FIRED:
             continue
@@ -301,38 +298,41 @@ def _hook_reform() -> None:
 
 
 STEPS = {
-    "lease": ("neps_bcast.recovery.lease", "Leases", "take", "before"),
-    "leased": ("neps_bcast.recovery.lease", "Leases", "take", "after"),
-    "handed": ("neps_bcast.runtime", "Runtime", "send", "after"),
-    "exchange": ("neps_bcast.trial", "TrialRun", "end", "before"),
-    "orphans": ("neps_bcast.recovery.lease", "Leases", "recover_orphans_if_due", "before"),
-    "form": ("neps_bcast.runtime", "Runtime", "reform_group", "before"),
-    "stop": ("neps_bcast.runtime", "Runtime", "shutdown", "before"),
+    "lease": [("neps_bcast.recovery.lease", "Leases", "take", "before", True)],
+    "leased": [("neps_bcast.recovery.lease", "Leases", "take", "after", True)],
+    "handed": [("neps_bcast.runtime", "Runtime", "send", "after", True)],
+    "exchange": [("neps_bcast.trial", "TrialRun", "end", "before", False)],
+    "orphans": [("neps_bcast.recovery.lease", "Leases", "recover_orphans_if_due", "before", False)],
+    "form": [
+        ("neps_bcast.runtime", "Runtime", "reform_group", "before", True),  # Lightning's
+        ("neps_bcast.runtime", "Runtime", "form_group_for_session", "before", False),
+    ],
+    "stop": [("neps_bcast.runtime", "Runtime", "shutdown", "before", False)],
 }
-"""The control steps a fault may land in: the method each wraps, and on which side of
-its call (``form`` also wraps ``Runtime.form_group_for_session``, torchrun's forming)."""
+"""The control steps a fault may land in: each method a step wraps, on which side of its
+call, and whether it runs before the trial's function (``form``: the leader has the
+group formed again before the function under Lightning; under an external launcher
+``session()`` forms it, inside the function)."""
 
 
 def _hook_steps(points: set[str]) -> None:
     import importlib
 
     for point in sorted(points):
-        module, cls_name, method, side = STEPS[point]
-        cls = getattr(importlib.import_module(module), cls_name)
-        names = [method, "form_group_for_session"] if point == "form" else [method]
-        for name in names:
-            setattr(cls, name, _around(getattr(cls, name), point, side))
+        for module, cls_name, method, side, upcoming in STEPS[point]:
+            cls = getattr(importlib.import_module(module), cls_name)
+            setattr(cls, method, _around(getattr(cls, method), point, side, upcoming))
 
 
-def _around(real: Any, point: str, side: str) -> Any:
+def _around(real: Any, point: str, side: str, upcoming: bool) -> Any:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if point == "handed" and type(args[0]).__name__ != "TrialMessage":
             return real(self, *args, **kwargs)  # STOP is not a hand-over
         if side == "before":
-            at(point)
+            at(point, upcoming)
         result = real(self, *args, **kwargs)
         if side == "after":
-            at(point)
+            at(point, upcoming)
         return result
 
     return step

@@ -254,6 +254,16 @@ def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
         problems += found
         if tail:
             logs.append(tail)
+        if any("never fired" in p for p in found) and chain.shares_a_root:
+            break  # the search ran on to its budget: the later cells would test nothing
+    else:
+        problems += last_run(chain, tmp_path, logs)
+    assert not problems, "\n".join(problems) + "\n" + "\n".join(logs[-3:])
+
+
+def last_run(chain: Chain, tmp_path: Path, logs: list[str]) -> list[str]:
+    """The same command once more, without a fault: it finishes the budget."""
+    problems: list[str] = []
     if chain.shares_a_root:
         root = tmp_path / "results"
         before = neps_view(root)
@@ -263,7 +273,7 @@ def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
         problems += [f"{chain.id}, the last run: {p}" for p in found]
         if found:
             logs.append(last.tail(40))
-    assert not problems, "\n".join(problems) + "\n" + "\n".join(logs[-3:])
+    return problems
 
 
 ALL_ZERO = Expect("returns", {}, frozenset({0}), frozenset({0}), False)
