@@ -432,7 +432,7 @@ class TestTheLeaderKilledWhileItsChildIsInTheRendezvous(LeaderKilledChecks):
 _GLOO_CLOSED = r"RuntimeError: \[[^\]]*gloo/transport/tcp/pair\.cc:\d+\] Connection closed by peer \[127\.0\.0\.1\]:\d+\. [^\n]*"
 _TERMINATED_IN_FIT = (
     r"\n--- traceback of rank 1 \(pid {pid1}\) ---\nTraceback \(most recent call last\):\n"
-    r".*    faults\.at\(\"fit\"\)\n.*    os\.kill\(os\.getpid\(\), signal\.SIGTERM\)\n"
+    r".*    faults\.at\(\"fit\"\)\n.*    os\.kill\(pid, SIGNALS\[f\.kind\]\)\n"
     r".*\n[\w.]*Terminated: 143\n"
 )
 _TERM_FOLLOWER = (

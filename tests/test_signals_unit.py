@@ -186,3 +186,36 @@ def test_leaving_on_a_stop_a_second_sigterm_cannot_change_the_exit_code() -> Non
     with stop_signals():
         pass
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+@pytest.mark.parametrize(
+    ("signum", "raised"),
+    [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)],
+    ids=["sigterm", "ctrl_c"],
+)
+def test_a_stop_inside_a_control_step_is_raised_once_the_step_is_whole(
+    signum: int, raised: type[BaseException]
+) -> None:
+    """A control step is several collectives: a rank that left between two of them left
+    its peer in the second and itself in its next step's first, both blocked for the
+    last-resort bound. The step's rest runs, then the stop is raised."""
+    done: list[str] = []
+
+    def step() -> None:
+        with signals.indivisible():
+            send(signum)
+            done.append("the step's second collective")
+
+    with stop_signals(), pytest.raises(raised):
+        step()
+    assert done == ["the step's second collective"]
+
+
+def test_a_stop_inside_a_step_while_the_leader_waits_keeps_waiting() -> None:
+    """Between trials a stop waits for the leader's next step, control step or not."""
+    with stop_signals():
+        signals.wait_with_sigterm()
+        with signals.indivisible():
+            send(signal.SIGTERM)
+        with pytest.raises(Terminated):
+            signals.raise_waiting_sigterm()

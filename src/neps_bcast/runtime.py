@@ -27,6 +27,7 @@ from neps_bcast.errors import (
     format_message,
 )
 from neps_bcast.log import logger, role_tag, tagged
+from neps_bcast.recovery.signals import indivisible
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport import peers
 from neps_bcast.transport.auth import Signer, new_secret, secret_text
@@ -164,7 +165,8 @@ class Runtime:
         """One control step on the channel (``transport.steps``); a lost peer named."""
         assert self.link.channel is not None
         try:
-            return step(self.link.channel)
+            with indivisible():  # a stop that lands mid-step is raised once it is done
+                return step(self.link.channel)
         except ChannelClosedError as exc:
             raise self.lost(exc) from exc
 

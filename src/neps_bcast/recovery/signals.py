@@ -67,6 +67,8 @@ class _State:
         """The stop that came while waiting."""
         self.interrupted = False
         """A Ctrl-C (SIGINT) came while waiting."""
+        self.holding = 0
+        """Inside a control step (``indivisible``): a stop is raised when it ends."""
 
 
 _STATE = _State()
@@ -90,6 +92,33 @@ def raise_waiting_sigterm() -> None:
     """Stop waiting; raise the SIGTERM that came while waiting, if one did, else the
     Ctrl-C (a ``KeyboardInterrupt``); a scheduler's stop comes first."""
     _STATE.waiting = False
+    _raise_held()
+
+
+@contextlib.contextmanager
+def indivisible() -> Iterator[None]:
+    """A control step runs whole: a stop (SIGTERM, Ctrl-C) that lands between its
+    collectives is raised when the step ends (or waits on, while the leader waits).
+
+    Why: a step is several gloo collectives (a gather to the leader and the leader's
+    broadcast, twice for a long message), and a Python signal handler runs between any
+    two of them (a blocking collective returns first: gloo does not check for signals).
+    A rank that left a step after its gather and before its broadcast left its peer in
+    that broadcast and itself in its next step's gather: both alive, both blocked until
+    the seven-day bound (the fault-point sweep found it: SIGTERM to the leader while its
+    follower was at the trial-end exchange). Deferring costs nothing in reaction time:
+    the handler cannot run before the blocking collective returns anyway.
+    """
+    _STATE.holding += 1
+    try:
+        yield
+    finally:
+        _STATE.holding -= 1
+        if not _STATE.holding and not _STATE.waiting:
+            _raise_held()
+
+
+def _raise_held() -> None:
     pending, _STATE.pending = _STATE.pending, None
     interrupted, _STATE.interrupted = _STATE.interrupted, False
     if pending is not None:
@@ -99,9 +128,10 @@ def raise_waiting_sigterm() -> None:
 
 
 def _stop(stop: Terminated) -> None:
-    """Raise ``stop`` now, or keep it for ``raise_waiting_sigterm`` while waiting."""
+    """Raise ``stop`` now, or keep it for ``raise_waiting_sigterm`` while waiting (or
+    for the end of the control step it landed in)."""
     _STATE.stopping = True
-    if _STATE.waiting:
+    if _STATE.waiting or _STATE.holding:
         _STATE.pending = stop
         return
     raise stop
@@ -118,6 +148,7 @@ def stop_signals() -> Iterator[None]:
     _STATE.received.clear()
     _STATE.stopping = False
     _STATE.waiting, _STATE.pending, _STATE.interrupted = False, None, False
+    _STATE.holding = 0
     installed: dict[int, tuple[Any, Callable[[int, Any], None]]] = {}
     previous_int = signal.getsignal(signal.SIGINT)
     if callable(previous_int):  # not where SIGINT is ignored or left to the OS
@@ -155,7 +186,7 @@ def _interrupt(previous: Callable[[int, Any], Any]) -> Callable[[int, Any], None
     (Python's raises ``KeyboardInterrupt``)."""
 
     def handler(received: int, frame: types.FrameType | None) -> None:
-        if _STATE.waiting:
+        if _STATE.waiting or _STATE.holding:
             _STATE.interrupted = True
             return
         previous(received, frame)
