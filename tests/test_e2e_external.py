@@ -2,7 +2,7 @@
 Lightning Fabric, several NePS workers on one root, and bad input.
 
 Real torchrun, real gloo, real NePS, real Lightning. Ports are chosen by torchrun
-(``--standalone``) or by binding port 0 just before the launch. Each class is one
+(``--standalone``) or by the OS and held for the whole launch (tests/ports.py). Each class is one
 launch (or the launches that make one search) and the tests that read what it left.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,7 @@ from harness import (
     start,
     torchrun,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import HeldPort
 
 
 @dataclass
@@ -170,22 +164,22 @@ class TestTwoNodesFollowersNeedNoNepsRoot(FollowsItsLeader):
     @pytest.fixture(scope="class")
     def nodes(self, tmp_path_factory: pytest.TempPathFactory) -> Nodes:
         tmp = tmp_path_factory.mktemp("two_nodes")
-        port = free_port()
-        rendezvous = (
-            "--nnodes=2",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=nb{port}",
-        )
         folders = [tmp / "node0", tmp / "node1"]
-        running = []
-        for i, folder in enumerate(folders):
-            folder.mkdir()
-            command = torchrun(
-                2, TORCH_DDP, "--trials", 3, "--root", "results", rendezvous=rendezvous
+        with HeldPort() as port:
+            rendezvous = (
+                "--nnodes=2",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=nb{port}",
             )
-            running.append(start(command, tmp, name=f"launch{i}", cwd=folder))
-        return Nodes([r.finish() for r in running], folders)
+            running = []
+            for i, folder in enumerate(folders):
+                folder.mkdir()
+                command = torchrun(
+                    2, TORCH_DDP, "--trials", 3, "--root", "results", rendezvous=rendezvous
+                )
+                running.append(start(command, tmp, name=f"launch{i}", cwd=folder))
+            return Nodes([r.finish() for r in running], folders)
 
     @pytest.fixture(scope="class")
     def group(self, nodes: Nodes) -> Group:
@@ -235,11 +229,12 @@ class TestSimulatedSlurmWithoutTorchrun(CleanLaunch, FollowsItsLeader):
 
     @pytest.fixture(scope="class")
     def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        return run(
-            srun(2, LIGHTNING, "--trials", 3),
-            tmp_path_factory.mktemp("slurm"),
-            env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
-        )
+        with HeldPort() as port:
+            return run(
+                srun(2, LIGHTNING, "--trials", 3),
+                tmp_path_factory.mktemp("slurm"),
+                env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+            )
 
     @pytest.fixture(scope="class")
     def group(self, launch: Result) -> Group:

@@ -10,6 +10,7 @@ how a test finds what is left. Bounds: the launch's deadline (150 s) < pytest's 
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import signal
@@ -20,7 +21,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -156,25 +157,35 @@ def launch(
     return Launch(proc, tmp_path, marker, time.monotonic())
 
 
-def taken(port: int) -> bool:
-    """Does some process (this one or another) listen on ``port``?"""
-    table = sockets.tcp_table()
-    return any(s.state == sockets.LISTEN and s.local[1] == port for s in table.values())
+@dataclass
+class Taken:
+    """Who held each of torch's default ports while a launch ran."""
+
+    ours: list[int] = field(default_factory=list)
+    """Bound and listened on by this test (seen listening when the launch ended)."""
+    others: dict[int, str] = field(default_factory=dict)
+    """Port -> why this test could not bind it: another process holds it."""
 
 
 @contextmanager
-def listening_on(ports: range) -> Iterator[list[int]]:
-    """Servers on torch's default port and its neighbours: ours, or another process's
-    (a second copy of the suite holds them too); yields the ports that are taken."""
+def default_ports_taken(ports: range) -> Iterator[Taken]:
+    """Listens on each of ``ports`` that this test can bind (without SO_REUSEADDR, so
+    that nothing else can serve on it meanwhile); a port it cannot bind is another
+    process's (a second copy of the suite, another job): just as good for this test,
+    and left alone. Which is which is filled in once the block is over."""
+    taken = Taken()
     with ExitStack() as stack:
         for port in ports:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
                 sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue  # already taken by someone else: just as good for this test
+            except OSError as exc:
+                taken.others[port] = f"{exc.strerror} ({errno.errorcode.get(exc.errno or 0)})"
+                continue
             sock.listen()
-        yield [port for port in ports if taken(port)]
+        yield taken
+        ours = sockets.listening(sockets.tcp_table(), sockets.socket_inodes())
+        taken.ours = [port for port in ports if ("0.0.0.0", port) in ours]
 
 
 def trials_by_group(events: list[dict[str, Any]]) -> dict[str, dict[int, list[tuple[str, Any]]]]:
@@ -254,23 +265,41 @@ class SharesOneSearch(EndsWithZero):
         assert len(states(done.run.root)) >= 6
 
 
+DEFAULT_PORTS = range(29500, 29506)
+"""torch's default MASTER_PORT and its neighbours."""
+
+
 @pytest.mark.timeout(300)
 class TestTwoGroupsShareOneSearchWhileDefaultPortsAreTaken(SharesOneSearch):
     @dataclass
     class Held(Finished):
-        held: list[int]
+        taken: Taken
 
     @pytest.fixture(scope="class")
     def done(self, tmp_path_factory: pytest.TempPathFactory) -> Held:
         tmp = tmp_path_factory.mktemp("two_groups")
-        with listening_on(range(29500, 29506)) as held:
+        with default_ports_taken(DEFAULT_PORTS) as taken:
             run = launch(tmp, "--devices", "0-3", trials=6)
             rc = run.finish()
-        return self.Held(run, rc, run.left_after(15), held)
+        return self.Held(run, rc, run.left_after(15), taken)
 
-    def test_torchs_default_port_and_its_neighbours_were_taken(self, done: Held) -> None:
-        """Without it the test tests less."""
-        assert done.held == list(range(29500, 29506)), f"only {done.held} were taken"
+    def test_each_default_port_was_taken_by_the_test_or_by_another_process(
+        self, done: Held
+    ) -> None:
+        """Without it the test tests less. A port this test could bind it listened on
+        until the launch ended; one it could not was in use (EADDRINUSE) by another."""
+        ours, others = done.taken.ours, done.taken.others
+        assert sorted([*ours, *others]) == list(DEFAULT_PORTS), f"ours {ours}, others {others}"
+        in_use = {port: why for port, why in others.items() if "EADDRINUSE" in why}
+        assert in_use == others, f"not bound for another reason than being in use: {others}"
+
+    def test_no_group_rendezvoused_on_a_port_the_test_held(self, done: Held) -> None:
+        starts = [e for e in done.events() if e["event"] == "start"]
+        ports = {(e["group"], e["rank"]): e["master_port"] for e in starts}
+        assert len(ports) == 4, starts
+        assert all(port and int(port) not in done.taken.ours for port in ports.values()), (
+            f"the ranks' MASTER_PORTs {ports}, the test's {done.taken.ours}"
+        )
 
     def test_every_rank_that_started_exited_with_0(self, done: Finished) -> None:
         events = done.events()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from harness import (
 )
 from neps_bcast.compat import procfs
 from neps_bcast.transport import sockets
+from ports import HeldPort
 
 ATTACKER = SCRIPTS / "attacker.py"
 TRIALS = 5
@@ -228,12 +228,6 @@ class TestASingleProcessSearchServesNoStore(CleanLaunch):
         assert listening.ports == {}, f"a single-process search listens on {listening.ports}"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass
 class Secrets:
     launches: dict[int, Result]
@@ -247,21 +241,21 @@ class TestARankWithAnotherSecretIsRefusedBeforeTrial1OnEveryRank:
     @pytest.fixture(scope="class")
     def secrets(self, tmp_path_factory: pytest.TempPathFactory) -> Secrets:
         tmp = tmp_path_factory.mktemp("secrets")
-        port = free_port()
         running = {}
         secrets = ("a1b2c3d4e5f60718" * 4, "f0e1d2c3b4a59687" * 4)  # 32 bytes each, as hex
-        for rank, secret in enumerate(secrets):
-            env = {
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "NEPS_BCAST_SECRET": secret,
-            }
-            command = python(TORCH_DDP, "--trials", 3, "--root", tmp / "root")
-            running[rank] = start(command, tmp, name=f"rank{rank}", env=env)
-        return Secrets({rank: r.finish() for rank, r in running.items()}, tmp / "root")
+        with HeldPort() as port:
+            for rank, secret in enumerate(secrets):
+                env = {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": "2",
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "NEPS_BCAST_SECRET": secret,
+                }
+                command = python(TORCH_DDP, "--trials", 3, "--root", tmp / "root")
+                running[rank] = start(command, tmp, name=f"rank{rank}", env=env)
+            return Secrets({rank: r.finish() for rank, r in running.items()}, tmp / "root")
 
     @pytest.mark.parametrize("rank", [0, 1])
     def test_the_rank_exits_with_1(self, secrets: Secrets, rank: int) -> None:

@@ -14,12 +14,12 @@ the launcher started; NePS's record; the exit code; no process left.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
 from harness import FAKE_SRUN, PYTHON, TORCHRUN, neps_trials
+from ports import HeldPort
 from user_launch import SCRIPTS, UserLaunch, records, states
 
 SCRIPT = SCRIPTS / "tutorial_ddp.py"
@@ -27,17 +27,12 @@ NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
 RANK_1_FAILS = "rank 1 failed in the middle of its training"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def launcher(how: str, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+def launcher(how: str, tmp_path: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """The launch's command and variables; ``port`` (held by the test) is srun's."""
     if how == "torchrun":
         return [TORCHRUN, "--standalone", "--nproc-per-node=2"], {}
     if how == "srun":  # every task calls init_process_group with SLURM's rank
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         return [PYTHON, str(FAKE_SRUN), "--ntasks", "2", "--", PYTHON], env
     logs = str(tmp_path / "logs")
     return [NEPS_BCAST, "launch", "--nproc-per-group", "2", "--log-dir", logs], {}
@@ -56,11 +51,12 @@ def launcher(how: str, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
 def test_the_tutorial_pattern_keeps_every_guarantee(tmp_path: Path, group: str, how: str) -> None:
     rec = tmp_path / "rec"
     rec.mkdir()
-    cmd, env = launcher(how, tmp_path)
-    cmd += [str(SCRIPT), "--group", group, "--trials", "4", "--root", "root"]
-    env.update(TUTORIAL_RECORD=str(rec), TUTORIAL_FAIL="2:1")
-    run = UserLaunch(cmd, tmp_path, "launch", env)
-    code = run.finish()
+    with HeldPort() as port:
+        cmd, env = launcher(how, tmp_path, port)
+        cmd += [str(SCRIPT), "--group", group, "--trials", "4", "--root", "root"]
+        env.update(TUTORIAL_RECORD=str(rec), TUTORIAL_FAIL="2:1")
+        run = UserLaunch(cmd, tmp_path, "launch", env)
+        code = run.finish()
     events = records(rec)
     report = f"{run.log()}\n" + "".join(
         p.read_text()[-3000:] for p in sorted((tmp_path / "logs").glob("*/*.log"))

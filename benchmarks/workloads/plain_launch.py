@@ -1,11 +1,12 @@
 """A minimal torchrun stand-in for the plain-DDP workload: starts ``--world`` ranks.
 
 Every rank gets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a port the OS
-picked just now, never a fixed one). For ``--system builtin`` the followers start once the
-leader's first trial exists, with NEPS_DDP_TRIAL_ID set to it (what Lightning's launcher
-does for NePS; torchrun cannot, so NePS's mode fails under torchrun). Exits with the
-leader's exit code as soon as the leader exits: like Lightning's launcher, it does not
-wait for followers (the supervisor accounts for them).
+picked, never a fixed one, held by this process until it exits: see ``held_port``). For
+``--system builtin`` the followers start once the leader's first trial exists, with
+NEPS_DDP_TRIAL_ID set to it (what Lightning's launcher does for NePS; torchrun cannot, so
+NePS's mode fails under torchrun). Exits with the leader's exit code as soon as the leader
+exits: like Lightning's launcher, it does not wait for followers (the supervisor accounts
+for them).
 """
 
 from __future__ import annotations
@@ -22,10 +23,20 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def held_port() -> socket.socket:
+    """A socket bound to a port the OS picked, on every address, with SO_REUSEADDR, never
+    listening: while it is open the kernel gives the port to no one else, and rank 0's
+    TCPStore (SO_REUSEADDR too) serves on it all the same (tests/ports.py, shown by
+    tests/test_ports.py). A probe socket closed at once would leave the port to anyone."""
+    try:
+        held = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        held.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # and every IPv4 address
+        address = "::"
+    except OSError:  # a host without IPv6
+        held, address = socket.socket(socket.AF_INET, socket.SOCK_STREAM), "0.0.0.0"
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind((address, 0))
+    return held
 
 
 def main() -> None:
@@ -39,7 +50,8 @@ def main() -> None:
     system = rest[rest.index("--system") + 1]
     timings = Path(rest[rest.index("--timings") + 1])
     timings.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    held = held_port()  # open until this launcher exits, which is when the leader exits
+    port = held.getsockname()[1]
 
     def start(rank: int, **extra: str) -> subprocess.Popen[bytes]:
         env = dict(

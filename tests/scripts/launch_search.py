@@ -171,6 +171,7 @@ def main() -> None:
         "start",
         cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
         slurm_procid=os.environ.get("SLURM_PROCID"),
+        master_port=os.environ.get("MASTER_PORT"),
     )
     atexit.register(on_exit)
     try:

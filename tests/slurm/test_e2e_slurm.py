@@ -2,9 +2,10 @@
 (tests/slurm/cluster.sh, started and stopped by ``make test-slurm``).
 
 Real sbatch, real srun (2 tasks), real gloo, real NePS, real Lightning. Each job gets a
-free port (MASTER_PORT), its own NePS root under ``tmp_path``, and carries a unique marker
-in its environment (as tests/harness.py's launches do) so that the test can prove no
-process of it is left. Every wait polls SLURM or the run's files against a deadline.
+port (MASTER_PORT) that the test holds until its jobs ended (tests/ports.py), its own
+NePS root under ``tmp_path``, and carries a unique marker in its environment (as
+tests/harness.py's launches do) so that the test can prove no process of it is left.
+Every wait polls SLURM or the run's files against a deadline.
 
 There is no accounting daemon (no ``sacct``): the final state comes from ``scontrol show
 job``, which keeps finished jobs for MinJobAge (an hour, cluster.sh's slurm.conf).
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import time
 import uuid
@@ -37,6 +37,7 @@ from harness import (
 )
 from neps_bcast.compat import procfs
 from neps_bcast.recovery.lease_file import read_lease
+from ports import HeldPort
 
 HERE = Path(__file__).parent
 REPO = HERE.parents[1]
@@ -59,12 +60,6 @@ DONE = {
 """Job states that are final (a requeued job goes through COMPLETING to PENDING instead)."""
 JOB_S = 300.0
 """A job's bound, from submission to a final state (a job takes 20-60 s here)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def slurm(*args: str) -> str:
@@ -107,7 +102,7 @@ class Job:
         self.marker = uuid.uuid4().hex
         full_env = base_env(**env)
         full_env.update(
-            {MARKER: self.marker, "SLURM_CONF": SLURM_CONF, "MASTER_PORT": str(free_port())}
+            {MARKER: self.marker, "SLURM_CONF": SLURM_CONF, "MASTER_PORT": cluster.hold_port()}
         )
         self.output = folder / "job.out"
         self.watch = ExitWatch.get()  # listening before the job's first process starts
@@ -184,6 +179,13 @@ class Job:
 class Cluster:
     def __init__(self) -> None:
         self.jobs: list[Job] = []
+        self.ports: list[HeldPort] = []
+
+    def hold_port(self) -> str:
+        """A job's MASTER_PORT, held until every job ended (a requeued job binds it again)."""
+        port = HeldPort()
+        self.ports.append(port)
+        return str(port.number)
 
     def submit(self, folder: Path, script: Path, cmd: list[str], env: Any = None) -> Job:
         folder.mkdir(parents=True, exist_ok=True)
@@ -193,16 +195,20 @@ class Cluster:
         """scancel whatever is not finished, wait (bounded) until SLURM says it ended and
         its processes are gone; kill (and fail on) anything SLURM left behind."""
         left: list[int] = []
-        for job in self.jobs:
-            if job.info()["JobState"] not in DONE:
-                slurm("scancel", job.id)
-                job.wait_done(timeout=120)
-            try:
-                job.assert_nothing_left()
-            except AssertionError:
-                left += marked_pids(job.marker)
-                for pid in marked_pids(job.marker):
-                    procfs.kill(pid)
+        try:
+            for job in self.jobs:
+                if job.info()["JobState"] not in DONE:
+                    slurm("scancel", job.id)
+                    job.wait_done(timeout=120)
+                try:
+                    job.assert_nothing_left()
+                except AssertionError:
+                    left += marked_pids(job.marker)
+                    for pid in marked_pids(job.marker):
+                        procfs.kill(pid)
+        finally:
+            for port in self.ports:
+                port.release()
         assert not left, f"processes left after the jobs ended (killed now): {left}"
 
 

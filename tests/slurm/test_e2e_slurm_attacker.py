@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ import pytest
 
 import outsider as o
 from harness import PYTHON
+from ports import HeldPort
 
 HERE = Path(__file__).parent
 SBATCH = HERE / "attacker.sbatch"
@@ -32,12 +32,6 @@ SLURM_DIR = Path(os.environ.get("NEPS_BCAST_SLURM_DIR", "/tmp/neps_bcast_slurm")
 SLURM_CONF = os.environ.get("SLURM_CONF", str(SLURM_DIR / "slurm.conf"))
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 JOB_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
@@ -53,40 +47,48 @@ def scontrol_job(job_id: str) -> dict[str, str]:
 
 
 def srun_job(attack: o.Attack) -> Callable[[], int]:
-    """Submit the job (its environment is the launch's), return how to wait for it."""
-    env = attack.env()
-    env.update(SLURM_CONF=SLURM_CONF, MASTER_PORT=str(free_port()))
-    output = attack.log_dir / "job.out"
-    submitted = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            f"--chdir={attack.folder}",
-            f"--output={output}",
-            str(SBATCH),
-            PYTHON,
-            str(o.SEARCH_SCRIPT),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr}"
+    """Submit the job (its environment is the launch's), return how to wait for it. Its
+    MASTER_PORT is held until the wait is over."""
+    port = HeldPort()
+    try:
+        env = attack.env()
+        env.update(SLURM_CONF=SLURM_CONF, MASTER_PORT=str(port.number))
+        output = attack.log_dir / "job.out"
+        submitted = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--chdir={attack.folder}",
+                f"--output={output}",
+                str(SBATCH),
+                PYTHON,
+                str(o.SEARCH_SCRIPT),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert submitted.returncode == 0, f"sbatch failed: {submitted.stderr}"
+    except BaseException:
+        port.release()
+        raise
     job_id = submitted.stdout.strip().split(";")[0]
 
     def wait() -> int:
-        deadline = time.monotonic() + JOB_S
-        while time.monotonic() < deadline:
-            info = scontrol_job(job_id)
-            if info.get("JobState") in DONE:
-                return 0 if info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" else 1
-            time.sleep(0.5)  # a bounded poll of SLURM
-        subprocess.run(
-            ["scancel", job_id], env={**os.environ, "SLURM_CONF": SLURM_CONF}, check=False
-        )
-        raise AssertionError(f"job {job_id} not done within {JOB_S} s: {scontrol_job(job_id)}")
+        with port:
+            deadline = time.monotonic() + JOB_S
+            while time.monotonic() < deadline:
+                info = scontrol_job(job_id)
+                if info.get("JobState") in DONE:
+                    completed = info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0"
+                    return 0 if completed else 1
+                time.sleep(0.5)  # a bounded poll of SLURM
+            subprocess.run(
+                ["scancel", job_id], env={**os.environ, "SLURM_CONF": SLURM_CONF}, check=False
+            )
+            raise AssertionError(f"job {job_id} not done within {JOB_S} s: {scontrol_job(job_id)}")
 
     return wait
 

@@ -28,7 +28,6 @@ from test_e2e_slurm import (  # the one-node cluster's helpers and its fixture
     Cluster,
     Job,
     cluster,
-    free_port,
     poll,
     slurm,
     states,
@@ -193,7 +192,7 @@ class Submitter:
         self.marker = uuid.uuid4().hex
         full = base_env(SUBMITIT_RECORD=str(self.folder / "rec"), **env)
         full.update({MARKER: self.marker, "SLURM_CONF": SLURM_CONF})
-        full["MASTER_PORT"] = str(free_port())  # read by TorchDistributedEnvironment
+        full["MASTER_PORT"] = cluster.hold_port()  # read by TorchDistributedEnvironment
         self.out = self.folder / "submitter.out"
         cmd = [
             sys.executable,
