@@ -38,8 +38,11 @@ def codes(values: frozenset[int]) -> str:
     return " or ".join(str(v) for v in sorted(values, key=lambda v: (v < 0, abs(v))))
 
 
-def states(trials: dict[str, frozenset[str]]) -> str:
-    return ", ".join(f"{tid}: {' or '.join(sorted(s))}" for tid, s in trials.items())
+def states(trials: dict[str, frozenset[str]], maybe: frozenset[str] = frozenset()) -> str:
+    return ", ".join(
+        f"{tid}: {' or '.join(sorted(s))}{' (if handed out)' if tid in maybe else ''}"
+        for tid, s in trials.items()
+    )
 
 
 def render_rows(t: ModuleType) -> str:
@@ -109,7 +112,7 @@ def render_page(t: ModuleType) -> str:
                 follower += f" (torchrun: {codes(other.follower)})"
             note = f" ({want.note})" if want.note else ""
             out.append(
-                f"| `{p.name}` | `{f.name}` | {want.row}{note} | {states(want.trials)}"
+                f"| `{p.name}` | `{f.name}` | {want.row}{note} | {states(want.trials, want.maybe)}"
                 f" | {leader} | {follower} | {'retried' if want.rerun else '-'} |"
             )
     out.append("")

@@ -203,6 +203,8 @@ class Expect:
     note: str = ""
     goes_on: bool = False
     """The search goes on after the cell's trials: every later trial a success."""
+    maybe: frozenset[str] = frozenset()
+    """Trial ids of ``trials`` that NePS may not have handed out at all."""
 
 
 @dataclass(frozen=True)
@@ -298,14 +300,37 @@ def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
         return Expect(
             "preempted", states(*done, (n, "pending")), S({143}), _also(stopped, 143), True
         )
+    # Lightning's observer SIGKILLs the leader once a child exited non-zero, after a
+    # grace for the leader to settle the trial (10 s): a leader slower to leave is killed.
+    observed = S() if torchrun else S({-9})
+    if fault.name in ("term_follower", "kill_follower") and point.name == "exchange":
+        # At the trial's very end the follower may be lost after the exchange completed
+        # the trial on every rank: it is a success, and the next one goes back instead.
+        return Expect(
+            "follower_terminated" if fault.name == "term_follower" else "follower_lost",
+            states(*done, (n, ("pending", OK)), (n + 1, "pending")),
+            S({1}) | observed,
+            S({143}) if fault.name == "term_follower" else S({-9}),
+            True,
+            "lost after the trial-end exchange: the trial is complete; the next goes back",
+            maybe=S({str(n + 1)}),
+        )
     if fault.name == "term_follower":
-        return Expect("follower_terminated", states(*done, (n, "pending")), S({1}), S({143}), True)
+        return Expect(
+            "follower_terminated",
+            states(*done, (n, "pending")),
+            S({1}) | observed,
+            S({143}),
+            True,
+        )
     if fault.name == "int_leader":
         return Expect("user_stop", states(*done, (n, "crashed")), interrupt_exit, stopped, True)
     if fault.name == "kill_leader":
         return Expect("leader_lost", states(*done, (n, "evaluating")), S({-9}), S({1}), True)
     if fault.name == "kill_follower":
-        return Expect("follower_lost", states(*done, (n, "pending")), S({1}), S({-9}), True)
+        return Expect(
+            "follower_lost", states(*done, (n, "pending")), S({1}) | observed, S({-9}), True
+        )
     # raise
     rest = [(i, OK) for i in range(n + 1, point.trials + 1)]
     return Expect(
