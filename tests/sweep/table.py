@@ -400,6 +400,12 @@ def _between(
     return Expect("leader_lost", states(*finished), S({1}), stopped, True)
 
 
+GOODBYE = (
+    "the leader exits 0 when its STOP reached the follower and only the goodbye was"
+    " missing, 1 when STOP found it gone"
+)
+
+
 def _at_the_end(
     fault: Fault,
     every: dict[str, frozenset[str]],
@@ -417,13 +423,13 @@ def _at_the_end(
     if fault.name == "term_all":
         return Expect("preempted", every, S({143}) | observed, S({143}), False)
     if fault.name == "term_follower":
-        return Expect("follower_terminated", every, S({1}) | observed, S({143}), False)
+        return Expect("follower_terminated", every, S({0, 1}) | observed, S({143}), False, GOODBYE)
     if fault.name == "int_leader":
         return Expect("user_stop", every, interrupt_exit, stopped, False)
     if fault.name == "kill_leader":
         return Expect("leader_lost", every, S({-9}), S({1}), False)
     if fault.name == "kill_follower":
-        return Expect("follower_lost", every, S({1}) | observed, S({-9}), False)
+        return Expect("follower_lost", every, S({0, 1}) | observed, S({-9}), False, GOODBYE)
     return Expect(
         "leader_lost", every, S({1}), stopped, False, "the followers are stopped all the same"
     )
