@@ -397,7 +397,15 @@ def _between(
         )
     if point.name == "record":
         return Expect("leader_lost", states(*done, (n, "evaluating")), S({1}), stopped, True)
-    return Expect("leader_lost", states(*finished), S({1}), stopped, True)
+    return Expect(
+        "between_trials",
+        states(*finished, *[(i, OK) for i in range(nxt, point.trials + 1)]),
+        S({0}),
+        S({0}),
+        False,
+        "NePS samples again after a sampling that raised",
+        goes_on=True,
+    )
 
 
 GOODBYE = (
