@@ -37,7 +37,7 @@ from neps_bcast.errors import (
     format_message,
     sort_records,
 )
-from neps_bcast.recovery.signals import Terminated, preemption
+from neps_bcast.recovery.signals import Terminated, indivisible, preemption
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
 from neps_bcast.transport.store import ErrorBoard
@@ -276,16 +276,23 @@ def evaluate_once(
         error: Exception | None = None
         handed = hand_over is None
         try:
-            if hand_over is not None:
-                hand_over()
-                handed = True
-            # Part of the trial: once the followers hold it, nothing may end it on one
-            # rank only. (Re-forming raised on the leader after the send in CI: a
-            # follower that raised before its session had released the new group at
-            # once. NePS recorded the error, the follower waited in its trial end, and
-            # the next trial's hand-over met that wait: both hung for ever.)
-            if message.group_generation is not None:
-                run.form_group(message.group_generation)
+            # The hand-over and the forming of the group are one step for a stop: a
+            # SIGTERM that lands between them is raised once the group is formed and
+            # met. Raised before its forming, the leader left its follower in torch's
+            # rendezvous for the new group, waiting for it, while it waited in the
+            # trial's end for that follower: both alive, both blocked (the fault sweep,
+            # SIGTERM to every rank as the leader was about to re-form the group).
+            with indivisible():
+                if hand_over is not None:
+                    hand_over()
+                    handed = True
+                # Part of the trial: once the followers hold it, nothing may end it on
+                # one rank only. (Re-forming raised on the leader after the send in CI: a
+                # follower that raised before its session had released the new group at
+                # once. NePS recorded the error, the follower waited in its trial end,
+                # and the next trial's hand-over met that wait: both hung for ever.)
+                if message.group_generation is not None:
+                    run.form_group(message.group_generation)
             if rt.launch.kind == "external":
                 rt.group.name_for_trial()
             result = fn(**message.kwargs)
