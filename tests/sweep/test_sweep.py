@@ -245,6 +245,7 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
     return [f"{head}: {p}" for p in problems], launch.tail(40) if problems else ""
 
 
+@pytest.mark.timeout(3600)  # a chain is up to ten launches, each bounded by its own deadline
 @pytest.mark.parametrize("chain", CHAINS, ids=[c.id for c in CHAINS])
 def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
     problems: list[str] = []
