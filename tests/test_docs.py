@@ -486,12 +486,17 @@ def test_command_works_as_written(command: Command) -> None:
         pytest.fail(f"{command.id}\n{error}", pytrace=False)
 
 
-def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("generate_configuration", GENERATOR)
+def _script(path: Path) -> ModuleType:
+    """A generator script under docs/, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _generator() -> ModuleType:
+    return _script(GENERATOR)
 
 
 def test_configuration_page_is_generated() -> None:
@@ -586,12 +591,7 @@ def test_anchors_are_githubs_slugs() -> None:
 
 
 def _fault_tables() -> ModuleType:
-    path = DOCS / "generate_fault_table.py"
-    spec = importlib.util.spec_from_file_location("generate_fault_table", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _script(DOCS / "generate_fault_table.py")
 
 
 def test_fault_sweep_page_is_generated_from_the_sweeps_table() -> None:

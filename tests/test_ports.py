@@ -23,17 +23,22 @@ PICKS = 2000
 RUN_UP = 1000
 
 
+def rank_0s_store(port: int, use_libuv: bool) -> dist.TCPStore:
+    """The store rank 0 serves a launch from, as torch's launchers make it."""
+    return dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=TIMEOUT,
+        use_libuv=use_libuv,
+    )
+
+
 @pytest.mark.parametrize("use_libuv", [True, False], ids=["libuv_store", "older_store"])
 def test_rank_0s_store_serves_on_a_held_port(use_libuv: bool) -> None:
     with HeldPort() as port:
-        server = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=TIMEOUT,
-            use_libuv=use_libuv,
-        )
+        server = rank_0s_store(port, use_libuv)
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
         server.set("written by rank 0", "read by rank 1")
         assert client.get("written by rank 0") == b"read by rank 1"
@@ -45,14 +50,7 @@ def test_a_port_bound_without_reuseaddr_keeps_the_store_off(use_libuv: bool) -> 
     with closing(bind_anywhere(0, reuseaddr=False)) as sock:
         port = sock.getsockname()[1]
         with pytest.raises(dist.DistNetworkError, match=r"EADDRINUSE|Address already in use"):
-            dist.TCPStore(
-                "127.0.0.1",
-                port,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=TIMEOUT,
-                use_libuv=use_libuv,
-            )
+            rank_0s_store(port, use_libuv)
 
 
 def a_bind_to_port_0_on_loopback() -> int:

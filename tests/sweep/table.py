@@ -397,25 +397,19 @@ def _between(
     if fault.name == "kill_follower":
         return Expect("between_trials", states(*finished, (nxt, "pending")), S({1}), S({-9}), True)
     # raise
-    if point.name == "orphans":
-        return Expect(
-            "between_trials",
-            states(*finished, *[(i, OK) for i in range(nxt, point.trials + 1)]),
-            S({0}),
-            S({0}),
-            False,
-            "a failed look for orphans is logged and retried later",
-            goes_on=True,
-        )
     if point.name == "record":
         return Expect("leader_lost", states(*done, (n, "evaluating")), S({1}), stopped, True)
+    why = {
+        "orphans": "a failed look for orphans is logged and retried later",
+        "sample": "NePS samples again after a sampling that raised",
+    }
     return Expect(
         "between_trials",
         states(*finished, *[(i, OK) for i in range(nxt, point.trials + 1)]),
         S({0}),
         S({0}),
         False,
-        "NePS samples again after a sampling that raised",
+        why[point.name],
         goes_on=True,
     )
 

@@ -36,6 +36,7 @@ from harness import (
     TORCH_DDP,
     Result,
     assert_every_exit_was_heard_as_recorded,
+    closed_by_torchrun,
     neps_trials,
     python,
     run,
@@ -105,12 +106,6 @@ def statuses_by_role(launch: Result) -> tuple[dict[int, int | None], dict[int, i
     return leader, followers
 
 
-def closed_by_torchrun(launch: Result, pid: int, status: int | None) -> bool:
-    """torchrun SIGTERMs every worker still alive once one exits non-zero ("Sending
-    process N closing signal SIGTERM"): that worker then ends with 143 or -15."""
-    return status in (143, -15) and f"Sending process {pid} closing signal SIGTERM" in launch.log
-
-
 def check_exits(launcher: str, want: Expect, launch: Result, last: bool = False) -> list[str]:
     """``last``: the chain's last run, whose leader may find the budget spent and start
     no follower (Lightning starts one only in a trial)."""
@@ -125,7 +120,7 @@ def check_exits(launcher: str, want: Expect, launch: Result, last: bool = False)
         if len(got) != 1:
             problems.append(f"{len(got)} {role} processes started: {got}")
         for pid, status in got.items():
-            if status in allowed or closed_by_torchrun(launch, pid, status):
+            if status in allowed or (status in (143, -15) and closed_by_torchrun(launch, pid)):
                 continue
             problems.append(f"{role} (pid {pid}) exited {status}, want one of {sorted(allowed)}")
     statuses = [*leader.values(), *followers.values()]
@@ -169,15 +164,22 @@ def check_trials(
         problems.append(
             f"NePS handed {len(order)} trials ({order}); the table expects {sorted(want.trials)}"
         )
-    for tid, (state, objective) in before.items():
-        if state in FINISHED and after.get(tid) != (state, objective):
-            problems.append(
-                f"trial {tid} was {state} ({objective}), now {after.get(tid)}: a result lost"
-            )
+    problems += results_lost(before, after)
     appeared = set(after) - set(before) - set(order)
     if appeared:
         problems.append(f"trials {sorted(appeared)} appeared but were never handed to the leader")
     return problems
+
+
+def results_lost(
+    before: dict[str, tuple[str, Any]], after: dict[str, tuple[str, Any]]
+) -> list[str]:
+    """Every trial finished before a launch is as it was after it."""
+    return [
+        f"trial {tid} was {state} ({objective}), now {after.get(tid)}: a result lost"
+        for tid, (state, objective) in before.items()
+        if state in FINISHED and after.get(tid) != (state, objective)
+    ]
 
 
 def check_finished(
@@ -191,11 +193,7 @@ def check_finished(
     spent = sum(1 for s, _ in after.values() if s in FINISHED)
     if spent < budget:
         problems.append(f"after the last run {spent} trials finished, budget {budget}")
-    for tid, (state, objective) in before.items():
-        if state in FINISHED and after.get(tid) != (state, objective):
-            problems.append(
-                f"trial {tid} was {state} ({objective}), now {after.get(tid)}: a result lost"
-            )
+    problems += results_lost(before, after)
     return problems
 
 
