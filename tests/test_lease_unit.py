@@ -331,6 +331,45 @@ def test_the_lease_lock_refuses_a_planted_symlink(tmp_path: Path) -> None:
     assert not target.exists()
 
 
+def test_a_leader_s_worker_id_names_its_process_and_nothing_else_parses() -> None:
+    me = Owner.me()
+    assert Owner.from_worker_id(me.worker_id()) == me
+    for other in (None, "", "worker_0", "neps_bcast-x-1@h/b/n", "my-own-worker"):
+        assert Owner.from_worker_id(other) is None
+
+
+def test_a_trial_without_a_lease_is_dead_at_once_when_neps_names_a_dead_leader_here() -> None:
+    me, now = Owner.me(), time.time()
+    gone = Owner(**{**vars(me), "pid": dead_pid()})
+    assert why_dead(None, now, me, now, GRACE, gone.worker_id()) == (
+        f"its leader ({gone.describe()}) is gone, before it leased the trial"
+    )
+    released = Lease("1", None, now - 5, now - 5)  # put back to pending before
+    assert why_dead(released, now, me, now, GRACE, gone.worker_id()) is not None
+    # Alive (this process), on another machine, or a worker id not ours: the grace rule.
+    assert why_dead(None, now, me, now, GRACE, me.worker_id()) is None
+    elsewhere = Owner(**{**vars(gone), "boot_id": "another-boot"})
+    assert why_dead(None, now, me, now, GRACE, elsewhere.worker_id()) is None
+    assert why_dead(None, now, me, now, GRACE, "worker_0") is None
+
+
+def test_a_leader_killed_before_its_lease_is_found_through_neps_s_worker_record(
+    tmp_path: Path,
+) -> None:
+    assert worker(tmp_path, trials=3, fault="kill", at="2").returncode == -signal.SIGKILL
+    trial_dir = tmp_path / "root" / "configs" / "config_2"
+    (trial_dir / LEASE_FILE).unlink()  # as if killed between NePS's "evaluating" and the lease
+    worker_id = neps_trials(tmp_path / "root")["2"].metadata.evaluating_worker_id
+    assert Owner.from_worker_id(worker_id) is not None, worker_id
+    leases = Leases(tmp_path / "root", Settings(heartbeat_s=3600.0, lease_grace_s=4 * 3600.0))
+    assert leases.recover_orphans() == [
+        "2: back to pending (interruption 1 of at most 3 retried)"
+    ]
+    result = worker(tmp_path, trials=3)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert states(tmp_path) == {"1": "success", "2": "success", "3": "success"}
+
+
 def test_between_trials_a_leader_looks_for_orphans_once_per_heartbeat_period(
     tmp_path: Path,
 ) -> None:

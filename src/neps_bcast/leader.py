@@ -31,6 +31,7 @@ from neps_bcast.recovery import settle
 from neps_bcast.recovery.lease import Leases, left_by_earlier_attempts
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import (
+    indivisible,
     raise_waiting_sigterm,
     stop_signals,
     wait_with_sigterm,
@@ -84,8 +85,8 @@ def evaluate_on_group(
 
     With ``leases``, the trial is leased while it runs; an infrastructure failure
     (SIGTERM, a lost or terminated follower) puts it back to pending instead of
-    recording it crashed; and, once it ended, orphans of other leaders are handed back
-    before NePS chooses the next trial. However the trial ends, it is settled in NePS
+    recording it crashed; and, before its lease, orphans of other leaders are handed
+    back (NePS has recorded the trial before). However the trial ends, it is settled in NePS
     before this returns or raises: a SIGTERM from the lease on to the hand-back counts
     as an interrupt of this trial, and from its end until NePS hands over the next one
     it waits (``signals.wait_with_sigterm``) so that NePS records the result first.
@@ -94,8 +95,12 @@ def evaluate_on_group(
     attempt = 1
     try:
         raise_waiting_sigterm()  # one that came while NePS sampled: this trial goes back
-        if leases is not None and info.pipeline_directory is not None:
-            attempt = leases.take(info.trial_id, info.pipeline_directory)
+        if leases is not None:
+            # NePS has recorded the last trial (looking before it did, a leader killed
+            # in the look lost that result) and holds this one evaluating.
+            _recover_orphans(rt, leases)
+            if info.pipeline_directory is not None:
+                attempt = leases.take(info.trial_id, info.pipeline_directory)
         outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info, attempt)
     except FollowerLostError as exc:
         _abort(rt, info, root_directory, leases, exc)
@@ -109,8 +114,6 @@ def evaluate_on_group(
         if leases is not None:
             leases.drop()
     wait_with_sigterm()  # until NePS recorded this trial and hands over the next
-    if leases is not None:
-        _recover_orphans(rt, leases)
     if outcome.failures:
         raise TrialFailedError(
             format_message(rt.tag, failure_text(outcome.failures, info.trial_id)),
@@ -178,9 +181,13 @@ def _terminated_followers(failures: list[ErrorRecord]) -> list[ErrorRecord]:
 
 
 def _recover_orphans(rt: Runtime, leases: Leases) -> None:
-    """Between trials: hand back other leaders' orphans (never fails the search)."""
+    """Before a trial's lease: hand back other leaders' orphans (never fails the search).
+
+    Whole or not at all for a stop (a few ms, under NePS's lock): a SIGTERM that lands
+    in it is raised once it is done, and this trial goes back as one before its lease."""
     try:
-        leases.recover_orphans_if_due()
+        with indivisible():
+            leases.recover_orphans_if_due()
     except Exception as exc:  # noqa: BLE001 - a failed check is retried when the next is due
         rt.log(logging.WARNING, "could not check for orphaned trials: %s", exc)
 
@@ -235,6 +242,10 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
     neps_compat.use_neps_locking()
     guard = RootGuard(root, rt.settings.root_lock_timeout_s)
     leases = Leases(root, rt.settings)
+    if kwargs.get("worker_id") is None and neps_compat.takes_worker_id():
+        # NePS records it in each trial it sets evaluating: a leader killed before its
+        # lease is then still proven dead at once on this machine (see ``lease``).
+        kwargs["worker_id"] = leases.me.worker_id()
 
     @functools.wraps(fn)
     def first_trial_releases(*args: Any, **fn_kwargs: Any) -> Any:

@@ -19,8 +19,8 @@ several are separated by commas.
   the same way (tests/sweep/table.py names each): ``lease`` and ``leased`` (the
   leader, before and after it takes the trial's lease), ``handed`` (the leader, right
   after it handed the trial to the group), ``exchange`` (every rank, before the
-  trial-end exchange), ``orphans`` (the leader, before it looks for orphans between
-  trials), ``form`` (every rank, before the group is formed again for the trial), and
+  trial-end exchange), ``orphans`` (the leader, before it looks for orphans, before
+  the trial's lease), ``form`` (every rank, before the group is formed again for the trial), and
   ``stop`` (the leader, before it sends STOP at the end of the search).
 - ``to=WHOM`` (a signal kind only): the process at the point signals ``leader``,
   ``follower`` or ``all`` instead of itself (every rank of that role, the others first),
@@ -302,7 +302,7 @@ STEPS = {
     "leased": [("neps_bcast.recovery.lease", "Leases", "take", "after", True)],
     "handed": [("neps_bcast.runtime", "Runtime", "send", "after", True)],
     "exchange": [("neps_bcast.trial", "TrialRun", "end", "before", False)],
-    "orphans": [("neps_bcast.recovery.lease", "Leases", "recover_orphans_if_due", "before", False)],
+    "orphans": [("neps_bcast.recovery.lease", "Leases", "recover_orphans_if_due", "before", True)],
     "form": [
         ("neps_bcast.runtime", "Runtime", "reform_group", "before", True),  # Lightning's
         ("neps_bcast.runtime", "Runtime", "form_group_for_session", "before", False),

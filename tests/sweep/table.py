@@ -40,6 +40,12 @@ class Point:
 
 
 POINTS = (
+    Point(
+        "orphans",
+        "while the leader looks for orphans, before the trial's lease",
+        "leader",
+        "before",
+    ),
     Point("lease", "before the leader takes the trial's lease", "leader", "before"),
     Point("leased", "after the lease is taken, before the hand-over", "leader", "before"),
     Point("handed", "right after the leader handed the trial to the group", "leader", "trial"),
@@ -62,7 +68,6 @@ POINTS = (
         prelude="sigterm:leader:trial=2:at=fit",
     ),
     Point("record", "while NePS records the finished trial", "leader", "between"),
-    Point("orphans", "while the leader looks for orphans between trials", "leader", "between"),
     Point("sample", "while NePS samples the next trial", "leader", "between"),
     Point("stop", "at STOP and the goodbye, the search over", "leader", "end", None, trials=2),
 )
@@ -345,6 +350,16 @@ def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
         )
     # raise
     rest = [(i, OK) for i in range(n + 1, point.trials + 1)]
+    if point.name == "orphans":
+        return Expect(
+            "returns",
+            states(*done, (n, OK), *rest),
+            S({0}),
+            S({0}),
+            False,
+            "a failed look for orphans is logged and tried again before a later trial",
+            goes_on=True,
+        )
     return Expect(
         "user_error",
         states(*done, (n, "crashed"), *rest),
@@ -399,10 +414,7 @@ def _between(
     # raise
     if point.name == "record":
         return Expect("leader_lost", states(*done, (n, "evaluating")), S({1}), stopped, True)
-    why = {
-        "orphans": "a failed look for orphans is logged and retried later",
-        "sample": "NePS samples again after a sampling that raised",
-    }
+    why = {"sample": "NePS samples again after a sampling that raised"}
     return Expect(
         "between_trials",
         states(*finished, *[(i, OK) for i in range(nxt, point.trials + 1)]),
@@ -481,7 +493,7 @@ SWEPT = {
 """The steps swept under each launcher: every one under torchrun; under Lightning those
 whose path differs there (Lightning forms the group and starts the follower at trial 1,
 and its observer ends the launch when a child exits non-zero), plus ``sample`` for the
-steps between trials. The others (``lease``, ``leased``, ``record``, ``orphans``) run
+steps between trials. The others (``orphans``, ``lease``, ``leased``, ``record``) run
 the leader's same code while the follower waits in the same receive under either."""
 
 CELLS = [

@@ -18,6 +18,8 @@ retried trial is a success. Steps at the end of a search (``stop``) need the bud
 spent in the faulted launch: each of their cells has a root of its own.
 
 ``NB_SWEEP_OUT=<file>``: each cell appends what it saw (a JSON line) for the report.
+``NB_SWEEP_FAULTS=kill_leader,raise``: only those faults' cells of each chain (to
+reproduce one cell; the chain's last run still finishes the budget).
 """
 
 from __future__ import annotations
@@ -75,8 +77,19 @@ class Chain:
         return torchrun(2, TORCH_DDP, "--trials", trials, "--ignore-errors")
 
 
+ONLY = {f for f in os.environ.get("NB_SWEEP_FAULTS", "").split(",") if f}
+assert ONLY <= {f.name for f in FAULTS}, f"NB_SWEEP_FAULTS: unknown {ONLY}"
+
 CHAINS = [
-    Chain(launcher, point, tuple(f for (la, p, f) in CELLS if la == launcher and p == point))
+    Chain(
+        launcher,
+        point,
+        tuple(
+            f
+            for (la, p, f) in CELLS
+            if la == launcher and p == point and (not ONLY or f.name in ONLY)
+        ),
+    )
     for launcher, point in dict.fromkeys((la, p) for la, p, _ in CELLS)
 ]
 

@@ -190,6 +190,17 @@ class TrialBook:
         self._state._report_trial_evaluation(trial, report, worker_id=worker_id)
 
 
+def takes_worker_id() -> bool:
+    """NePS's ``run`` takes ``worker_id`` (NePS 0.17 does; it stores it in each trial's
+    ``evaluating_worker_id``). Asked of ``neps.api.run``: ``neps.run`` may be wrapped
+    (a profiler, a test's observer) by a function taking ``**kwargs``."""
+    import inspect
+
+    from neps.api import run
+
+    return "worker_id" in inspect.signature(run).parameters
+
+
 def lock_kind() -> str:
     """``"lockf"`` or ``"flock"``: what NePS locks its files with once ``neps.run`` runs
     (``NEPS_LINUX_FILELOCK_FUNCTION``, default ``lockf``, the kind that works on NFS and

@@ -30,8 +30,14 @@ earlier attempt left files in the trial's directory (``resumed_from``): the user
 can then resume from its own checkpoint there.
 
 Leaders look for orphans when they start (holding the root lock, before NePS samples)
-and between their trials (before NePS chooses the next one), there at most once per
-``NEPS_BCAST_HEARTBEAT_S``: the look reads NePS's whole trial book under its lock.
+and before each trial's lease (NePS has recorded the last trial by then), there at
+most once per ``NEPS_BCAST_HEARTBEAT_S``: the look reads NePS's whole trial book under
+its lock.
+
+A leader killed after NePS set its trial evaluating and before it wrote the lease is
+found through NePS's own record of the worker: each leader runs NePS under a worker id
+naming its process (``Owner.worker_id``), so such a trial is proven dead at once on
+the same machine too; elsewhere (or under a worker id the user chose) after the grace.
 """
 
 from __future__ import annotations
@@ -165,7 +171,7 @@ class Leases:
         return done
 
     def recover_orphans_if_due(self) -> list[str]:
-        """Between trials: ``recover_orphans`` unless this leader looked less than a
+        """Before a trial: ``recover_orphans`` unless this leader looked less than a
         heartbeat period ago.
 
         Why: the look reads every trial NePS holds under NePS's lock, measured 3 to 9 ms
@@ -183,7 +189,7 @@ class Leases:
     ) -> str | None:
         """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
         lease = read_lease(trial.location)
-        reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s)
+        reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s, trial.worker_id)
         if reason is None:
             if lease is not None and lease.owner is not None:
                 age = now - lease.heartbeat

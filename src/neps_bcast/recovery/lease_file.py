@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Iterator
@@ -72,6 +73,28 @@ class Owner:
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}"
+
+    def worker_id(self) -> str:
+        """The worker id this leader gives NePS (``neps.run(worker_id=...)``): NePS
+        stores it in every trial it sets evaluating, so a leader killed before it wrote
+        the trial's lease is still proven dead at once on its machine."""
+        return (
+            f"{WORKER_PREFIX}{self.pid}-{self.start_ticks}"
+            f"@{self.host}/{self.boot_id}/{self.pid_namespace}"
+        )
+
+    @classmethod
+    def from_worker_id(cls, worker_id: str | None) -> Owner | None:
+        """The owner a ``worker_id`` of ours names; None for any other worker id."""
+        match = _WORKER_ID.fullmatch(worker_id or "")
+        if match is None:
+            return None
+        pid, ticks, host, boot_id, pid_namespace = match.groups()
+        return cls(host, boot_id, pid_namespace, int(pid), int(ticks))
+
+
+WORKER_PREFIX = "neps_bcast-"
+_WORKER_ID = re.compile(re.escape(WORKER_PREFIX) + r"(\d+)-(\d+)@([^/]*)/([^/]*)/(.*)")
 
 
 @dataclass(frozen=True)
@@ -167,11 +190,23 @@ def write_lease(trial_dir: Path, lease: Lease) -> None:
 
 
 def why_dead(
-    lease: Lease | None, time_started: float | None, me: Owner, now: float, grace_s: float
+    lease: Lease | None,
+    time_started: float | None,
+    me: Owner,
+    now: float,
+    grace_s: float,
+    worker_id: str | None = None,
 ) -> str | None:
-    """Why the trial's owner is provably gone, or None while it may be alive."""
+    """Why the trial's owner is provably gone, or None while it may be alive.
+
+    ``worker_id``: the worker NePS holds the trial evaluating for; a leader of ours on
+    this machine that died before it wrote the lease is named there."""
     owner = lease.owner if lease is not None else None
     if lease is None or owner is None:
+        worker = Owner.from_worker_id(worker_id)
+        if worker is not None and me.shares_machine_with(worker):
+            gone = _gone(worker)
+            return None if gone is None else f"{gone}, before it leased the trial"
         if time_started is not None and now - time_started > grace_s:
             return (
                 f"evaluating for {now - time_started:.0f} s without a lease (grace"
@@ -179,16 +214,21 @@ def why_dead(
             )
         return None
     if me.shares_machine_with(owner):
-        ticks = procfs.start_ticks(owner.pid)
-        if ticks is None or not procfs.is_alive(owner.pid):
-            return f"its leader ({owner.describe()}) is gone"
-        if ticks != owner.start_ticks:
-            return f"its leader ({owner.describe()}) is gone; that pid is another process now"
-        return None
+        return _gone(owner)
     age = now - lease.heartbeat
     if age > grace_s:
         return (
             f"no heartbeat from its leader ({owner.describe()}) for {age:.0f} s"
             f" (grace {grace_s:.0f} s)"
         )
+    return None
+
+
+def _gone(owner: Owner) -> str | None:
+    """On this machine: why ``owner`` is gone, or None while it runs."""
+    ticks = procfs.start_ticks(owner.pid)
+    if ticks is None or not procfs.is_alive(owner.pid):
+        return f"its leader ({owner.describe()}) is gone"
+    if ticks != owner.start_ticks:
+        return f"its leader ({owner.describe()}) is gone; that pid is another process now"
     return None
