@@ -362,9 +362,7 @@ def test_a_leader_killed_before_its_lease_is_found_through_neps_s_worker_record(
     worker_id = neps_trials(tmp_path / "root")["2"].metadata.evaluating_worker_id
     assert Owner.from_worker_id(worker_id) is not None, worker_id
     leases = Leases(tmp_path / "root", Settings(heartbeat_s=3600.0, lease_grace_s=4 * 3600.0))
-    assert leases.recover_orphans() == [
-        "2: back to pending (interruption 1 of at most 3 retried)"
-    ]
+    assert leases.recover_orphans() == ["2: back to pending (interruption 1 of at most 3 retried)"]
     result = worker(tmp_path, trials=3)
     assert result.returncode == 0, result.stderr[-2000:]
     assert states(tmp_path) == {"1": "success", "2": "success", "3": "success"}
