@@ -62,7 +62,8 @@ def render_page(t: ModuleType) -> str:
         " edit there, then `make docs` -->",
         "",
         "What a fault does depends on where it lands. `make test-faults` runs every cell"
-        " of this table: a real search (2 ranks, real NePS, real gloo) under each launcher,"
+        " of this table: a real search (2 ranks, real NePS, real gloo) under each launcher"
+        " (and some on 3 ranks, below),"
         " the fault injected at the step by a hook in the test script, then the same"
         " command again where a trial is to be retried. Each cell checks the state NePS"
         " holds every trial in, every process's exit status as the kernel reports it"
@@ -115,6 +116,26 @@ def render_page(t: ModuleType) -> str:
                 f"| `{p.name}` | `{f.name}` | {want.row}{note} | {states(want.trials, want.maybe)}"
                 f" | {leader} | {follower} | {'retried' if want.rerun else '-'} |"
             )
+    three = t.SWEPT["torchrun3"]
+    out += [
+        "",
+        "## On 3 ranks",
+        "",
+        "torchrun with 3 ranks runs the cells of "
+        + ", ".join(f"`{name}`" for name in three)
+        + ", each expected as under torchrun above, with a second follower (rank 2)"
+        " looking on: a fault to the follower goes to rank 1 alone. Rank 2 ends with:",
+        "",
+        "| step | fault | rank 2 |",
+        "|---|---|---|",
+    ]
+    for p in t.POINTS:
+        if p.name not in three:
+            continue
+        for f in t.FAULTS:
+            want = t.expect("torchrun3", p, f)
+            if not isinstance(want, t.Unreachable):
+                out.append(f"| `{p.name}` | `{f.name}` | {codes(t.bystander(p, want, f))} |")
     out.append("")
     return "\n".join(out)
 

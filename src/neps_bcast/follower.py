@@ -19,7 +19,7 @@ from typing import Any, cast
 
 from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import SearchStopped
-from neps_bcast.recovery.signals import stop_signals
+from neps_bcast.recovery.signals import indivisible, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import StopMessage, TrialMessage
 from neps_bcast.trial import evaluate_once
@@ -31,16 +31,18 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
     Lightning's process observer kills the whole launch when a child exits non-zero,
     so a follower leaves with code 0 unless its leader is lost.
     """
-    message: TrialMessage | StopMessage = first if first is not None else rt.receive()
+    message, held = (first, contextlib.ExitStack()) if first is not None else _receive(rt)
     while isinstance(message, TrialMessage):
         rt.log(logging.INFO, "trial %s (#%d) received", message.trial_id, message.seq)
         try:
-            outcome = evaluate_once(rt, fn, message)
+            outcome = evaluate_once(rt, fn, message, held=held)
         except SearchStopped as stopped:
             # The leader left this trial and stopped (an interrupt between two of its
             # steps): it is at STOP or goodbye already, so this rank goes there too.
             message = StopMessage(stopped.reason)
             break
+        finally:
+            held.close()  # let go by evaluate_once already, unless it raised before
         if outcome.failures:
             rt.log(
                 logging.INFO,
@@ -48,11 +50,34 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
                 message.trial_id,
                 "; ".join(f.headline() for f in outcome.failures),
             )
-        message = rt.receive()
+        message, held = _receive(rt)
     rt.link.stopping = True
     rt.log(logging.INFO, "stopping: %s", message.reason)
     rt.say_goodbye()
     rt.close()
+
+
+def _receive(rt: Runtime) -> tuple[TrialMessage | StopMessage, contextlib.ExitStack]:
+    """The leader's next message, and a stop held from its receipt on
+    (``signals.indivisible``): ``evaluate_once`` lets go of it once the trial's first
+    step, the forming of its group, is done; after a STOP it is let go at once.
+
+    Why: a follower that holds a trial takes part in its first step. A SIGTERM to every
+    rank (preemption) as the leader re-formed the group after a failed trial (the fault
+    sweep, Lightning) was raised on the follower right after its receive: it exited and
+    left its leader in torch's rendezvous for the new group, until Lightning's observer
+    SIGKILLed it (-9 instead of 143).
+    """
+    held = contextlib.ExitStack()
+    held.enter_context(indivisible())
+    try:
+        message = rt.receive()
+    except BaseException:
+        held.close()
+        raise
+    if not isinstance(message, TrialMessage):
+        held.close()
+    return message, held
 
 
 def run_follower(rt: Runtime, fn: Callable[..., Any], *, first_contact: bool) -> None:

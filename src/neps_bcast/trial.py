@@ -258,6 +258,7 @@ def evaluate_once(
     fn: Callable[..., Any],
     message: TrialMessage,
     hand_over: Callable[[], None] | None = None,
+    held: contextlib.ExitStack | None = None,
 ) -> Outcome:
     """Evaluate one trial on this rank and end it together with every other rank.
 
@@ -266,7 +267,9 @@ def evaluate_once(
     learns it); a ``BaseException`` (Ctrl-C, SIGTERM, ``sys.exit``) is reported, then
     re-raised. ``hand_over`` (the leader's): handing the trial to the followers is the
     trial's first step, so an interrupt that lands right after it still ends the trial
-    on every rank (the group released, the followers' meeting answered).
+    on every rank (the group released, the followers' meeting answered). ``held`` (a
+    follower's): the stop it holds since it received ``message``, handed on to the
+    forming here, so the follower too takes the trial's first step before a stop ends it.
 
     A follower whose step brought the leader's STOP raises ``SearchStopped``.
     """
@@ -283,6 +286,8 @@ def evaluate_once(
             # trial's end for that follower: both alive, both blocked (the fault sweep,
             # SIGTERM to every rank as the leader was about to re-form the group).
             with indivisible():
+                if held is not None:
+                    held.close()  # still held: by this step now
                 if hand_over is not None:
                     hand_over()
                     handed = True

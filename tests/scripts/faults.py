@@ -23,9 +23,9 @@ several are separated by commas.
   the trial's lease), ``form`` (every rank, before the group is formed again for the trial), and
   ``stop`` (the leader, before it sends STOP at the end of the search).
 - ``to=WHOM`` (a signal kind only): the process at the point signals ``leader``,
-  ``follower`` or ``all`` instead of itself (every rank of that role, the others first),
-  read from the launch's "start" records: a fault that lands on one process while
-  another is at a step.
+  ``follower`` or ``all`` (every rank of that role, the others first), or ``rankN``
+  (that one rank, of several followers) instead of itself, read from the launch's
+  "start" records: a fault that lands on one process while another is at a step.
 - KIND: ``raise`` (ValueError "injected failure on rank R at POINT"), ``sigkill``,
   ``sigterm``, ``sigterm2`` (SIGTERM, and a second one ``s`` seconds later, from a thread),
   ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
@@ -46,6 +46,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -67,7 +68,8 @@ class Fault:
     seconds: float = 1.0
     until: str = ""
     to: str = ""
-    """Whom a signal kind signals: "" (this process), "leader", "follower" or "all"."""
+    """Whom a signal kind signals: "" (this process), "leader", "follower", "all" or
+    "rankN" (the one process of group rank N)."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -76,7 +78,8 @@ def parse(spec: str) -> list[Fault]:
         kind, who, *options = text.split(":")
         keys = dict(option.split("=", 1) for option in options)
         unknown = set(keys) - {"trial", "at", "s", "until", "to"}
-        if who not in WHO or unknown or keys.get("to", "leader") not in WHO:
+        to = keys.get("to", "leader")
+        if who not in WHO or unknown or not (to in WHO or _RANK_N.fullmatch(to)):
             raise ValueError(f"NB_FAULT: cannot read {text!r}")
         trial = int(keys["trial"]) if "trial" in keys else None
         seconds = float(keys.get("s", 1.0))
@@ -88,6 +91,8 @@ def parse(spec: str) -> list[Fault]:
         )
     return faults
 
+
+_RANK_N = re.compile(r"rank(\d+)")
 
 FAULTS = parse(os.environ.get("NB_FAULT", ""))
 FIRED: set[tuple[int, int]] = set()
@@ -160,7 +165,8 @@ def _signal_all(pids: list[int], signum: int) -> None:
 
 def _pids(whom: str) -> list[int]:
     """The pids of the launch's ranks of one role (this process's last), from their
-    "start" records: ``leader`` (rank 0), ``follower`` (every other rank), ``all``."""
+    "start" records: ``leader`` (rank 0), ``follower`` (every other rank), ``all``,
+    ``rankN`` (rank N alone)."""
     from probe import RECORD
 
     assert RECORD is not None, "a fault with to= needs NB_RECORD_DIR"
@@ -170,8 +176,13 @@ def _pids(whom: str) -> list[int]:
             event = json.loads(line)
             if event["event"] == "start":
                 ranks[event["pid"]] = event["proc_rank"]
+    one = _RANK_N.fullmatch(whom)
     chosen = [
-        pid for pid, rank in ranks.items() if whom == "all" or (rank == 0) == (whom == "leader")
+        pid
+        for pid, rank in ranks.items()
+        if (
+            rank == int(one.group(1)) if one else whom == "all" or (rank == 0) == (whom == "leader")
+        )
     ]
     return sorted(chosen, key=lambda pid: pid == os.getpid())
 

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAUNCHERS = ("lightning", "torchrun")
+LAUNCHERS = ("lightning", "torchrun", "torchrun3")
 """``python script.py`` under Lightning ``strategy="ddp"`` (Lightning starts the
-follower) and ``torchrun --standalone --nproc-per-node 2`` with a plain DDP loop."""
+follower) and ``torchrun --standalone --nproc-per-node 2`` with a plain DDP loop; and
+the same on 3 ranks (``torchrun3``: a second follower, rank 2, looks on)."""
+
+RANKS = {"lightning": 2, "torchrun": 2, "torchrun3": 3}
 
 
 @dataclass(frozen=True)
@@ -85,12 +88,12 @@ class Fault:
 
 FAULTS = (
     Fault("term_leader", "SIGTERM to the leader", "sigterm", "leader"),
-    Fault("term_follower", "SIGTERM to the follower", "sigterm", "follower"),
+    Fault("term_follower", "SIGTERM to the follower (rank 1)", "sigterm", "follower"),
     Fault("term_all", "SIGTERM to every rank at once (preemption)", "sigterm", "all"),
     Fault("term_twice", "SIGTERM to the leader twice, 0-300 ms apart", "sigterm2", "leader"),
     Fault("int_leader", "SIGINT to the leader", "sigint", "leader"),
     Fault("kill_leader", "SIGKILL to the leader", "sigkill", "leader"),
-    Fault("kill_follower", "SIGKILL to the follower", "sigkill", "follower"),
+    Fault("kill_follower", "SIGKILL to the follower (rank 1)", "sigkill", "follower"),
     Fault(
         "raise", "an exception at the step (the follower's, where every rank reaches it)", "raise"
     ),
@@ -246,7 +249,7 @@ def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
     done = [(i, OK) for i in range(1, n)]
     if point.prelude.startswith("raise"):
         done = [(i, OK if i != n - 1 else "crashed") for i in range(1, n)]
-    torchrun = launcher == "torchrun"
+    torchrun = launcher.startswith("torchrun")
     # torchrun SIGTERMs every worker still alive once one exits non-zero ("Sending
     # process N closing signal SIGTERM"): a follower told to stop may be caught by it.
     stopped = S({0, -15, 143}) if torchrun else S({0})
@@ -465,8 +468,20 @@ def _also(codes: frozenset[int], *more: int) -> frozenset[int]:
     return codes | S(more)
 
 
-def spec(point: Point, fault: Fault) -> str:
-    """The cell's NB_FAULT (tests/scripts/faults.py)."""
+def bystander(point: Point, want: Expect, fault: Fault) -> frozenset[int]:
+    """The exit statuses of a follower the fault did not name (rank 2 of 3): as the
+    follower's, except where one follower was lost; then the leader stops the search
+    without a STOP it could send on the broken group, and the bystander, seeing its
+    leader gone, exits 1 (``LeaderLostError``), or torchrun closes it first; at the end
+    of the search it may have had its STOP (0)."""
+    if fault.to == "follower":
+        return S({0, 1}) if point.kind == "end" else S({1})
+    return want.follower
+
+
+def spec(point: Point, fault: Fault, ranks: int = 2) -> str:
+    """The cell's NB_FAULT (tests/scripts/faults.py). On more than 2 ranks a fault
+    "to the follower" goes to rank 1 alone."""
     # Where every rank reaches the step, a signal lands on one rank as the other reaches
     # it (the leader leaves while its follower is at the trial-end exchange), one to
     # every rank as the leader does, and the exception is the follower's.
@@ -475,7 +490,7 @@ def spec(point: Point, fault: Fault) -> str:
     trial = f":trial={point.trial}" if point.trial is not None else ""
     text = f"{fault.kind}:{who}{trial}:at={point.name}"
     if fault.to:
-        text += f":to={fault.to}"
+        text += f":to={'rank1' if fault.to == 'follower' and ranks > 2 else fault.to}"
     if fault.kind == "sigterm2":
         text += f":s={delay(point):g}"
     return f"{point.prelude}, {text}" if point.prelude else text
@@ -489,12 +504,15 @@ def delay(point: Point) -> float:
 SWEPT = {
     "torchrun": tuple(p.name for p in POINTS),
     "lightning": ("handed", "form", "fit", "exchange", "settle", "sample", "stop"),
+    "torchrun3": ("fit", "exchange", "stop"),
 }
 """The steps swept under each launcher: every one under torchrun; under Lightning those
 whose path differs there (Lightning forms the group and starts the follower at trial 1,
 and its observer ends the launch when a child exits non-zero), plus ``sample`` for the
 steps between trials. The others (``orphans``, ``lease``, ``leased``, ``record``) run
-the leader's same code while the follower waits in the same receive under either."""
+the leader's same code while the follower waits in the same receive under either. On 3
+ranks, the steps where a second follower is in a collective with the one the fault
+names: the user's training step, the trial-end exchange, STOP and the goodbye."""
 
 CELLS = [
     (launcher, p, f)

@@ -1,7 +1,7 @@
 """Every fault at every step: each cell of tests/sweep/table.py is a real launch.
 
 A cell is a launcher (Lightning ``strategy="ddp"``, or torchrun with a plain DDP loop;
-2 ranks, real NePS, real gloo), a step of the leader's or the followers' loop and a
+2 ranks, and torchrun on 3 for some steps; real NePS, real gloo), a step of the leader's or the followers' loop and a
 fault that lands there (tests/scripts/faults.py hooks the step; the user-shaped script
 is otherwise unchanged). Each cell's launch is checked against the table: the fault
 fired, the state NePS holds each trial the launch evaluated in, each process's exit
@@ -31,7 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from table import CELLS, FAULTS, Expect, Fault, Point, Unreachable, expect, spec
+from table import (
+    CELLS,
+    FAULTS,
+    RANKS,
+    Expect,
+    Fault,
+    Point,
+    Unreachable,
+    bystander,
+    expect,
+    spec,
+)
 
 from harness import (
     LIGHTNING,
@@ -54,6 +65,7 @@ BUDGET = 3 * len(FAULTS) + 4
 the last cells still get theirs."""
 
 FINISHED = ("success", "crashed")
+S = frozenset
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,7 @@ class Chain:
         trials = BUDGET if self.shares_a_root else self.point.trials
         if self.launcher == "lightning":
             return python(LIGHTNING, "--trials", trials, "--ignore-errors")
-        return torchrun(2, TORCH_DDP, "--trials", trials, "--ignore-errors")
+        return torchrun(RANKS[self.launcher], TORCH_DDP, "--trials", trials, "--ignore-errors")
 
 
 ONLY = {f for f in os.environ.get("NB_SWEEP_FAULTS", "").split(",") if f}
@@ -111,32 +123,42 @@ def handed_order(launch: Result) -> list[str]:
     return [e["trial_id"] for e in launch.of("neps_trial") if e["proc_rank"] == 0]
 
 
-def statuses_by_role(launch: Result) -> tuple[dict[int, int | None], dict[int, int | None]]:
-    """pid -> the kernel's exit status, for the leader's and the followers' processes."""
+Statuses = dict[int, int | None]
+
+
+def statuses_by_role(launch: Result) -> tuple[Statuses, Statuses, Statuses]:
+    """pid -> the kernel's exit status, for the leader's (rank 0), the follower's (rank
+    1) and any other follower's processes."""
     rank_of = {e["pid"]: e["proc_rank"] for e in launch.of("start")}
-    leader = {p: s for p, s in launch.os_exits.items() if rank_of.get(p) == 0}
-    followers = {p: s for p, s in launch.os_exits.items() if rank_of.get(p, 0) != 0}
-    return leader, followers
+    exits = launch.os_exits.items()
+    leader = {p: s for p, s in exits if rank_of.get(p) == 0}
+    follower = {p: s for p, s in exits if rank_of.get(p) == 1}
+    others = {p: s for p, s in exits if rank_of.get(p, 0) > 1}
+    return leader, follower, others
 
 
-def check_exits(launcher: str, want: Expect, launch: Result, last: bool = False) -> list[str]:
+def check_exits(
+    launcher: str, want: Expect, launch: Result, last: bool = False, others_want: frozenset = S()
+) -> list[str]:
     """``last``: the chain's last run, whose leader may find the budget spent and start
-    no follower (Lightning starts one only in a trial)."""
+    no follower (Lightning starts one only in a trial). ``others_want``: the statuses of
+    the followers the fault did not name (3 ranks)."""
     problems = []
-    leader, followers = statuses_by_role(launch)
-    if last and not followers and launcher == "lightning":
-        followers = {0: 0}
-    for role, got, allowed in (
-        ("leader", leader, want.leader),
-        ("follower", followers, want.follower),
+    leader, follower, others = statuses_by_role(launch)
+    if last and not follower and launcher == "lightning":
+        follower = {0: 0}
+    for role, got, allowed, count in (
+        ("leader", leader, want.leader, 1),
+        ("follower", follower, want.follower, 1),
+        ("other follower", others, others_want, RANKS[launcher] - 2),
     ):
-        if len(got) != 1:
+        if len(got) != count:
             problems.append(f"{len(got)} {role} processes started: {got}")
         for pid, status in got.items():
             if status in allowed or (status in (143, -15) and closed_by_torchrun(launch, pid)):
                 continue
             problems.append(f"{role} (pid {pid}) exited {status}, want one of {sorted(allowed)}")
-    statuses = [*leader.values(), *followers.values()]
+    statuses = [*leader.values(), *follower.values(), *others.values()]
     if launcher == "lightning":
         want_rc = next(iter(leader.values()), None)
     else:
@@ -223,7 +245,7 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
     cwd.mkdir(exist_ok=True)
     root = cwd / "results"
     before = neps_view(root)
-    text = spec(chain.point, fault)
+    text = spec(chain.point, fault, RANKS[chain.launcher])
     launch = run(chain.command(), tmp_path, name=f"{i:02d}-{fault.name}", cwd=cwd, fault=text)
     problems = []
     fired = [e for e in launch.of("fault") if e.get("where") == chain.point.name]
@@ -233,11 +255,13 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
     gone_s = None if since is None else launch.gone_at - since
     if gone_s is not None and gone_s >= BOUND_S:
         problems.append(f"gone {gone_s:.1f} s after the fault (bound {BOUND_S:g} s)")
-    problems += check_exits(chain.launcher, want, launch)
+    problems += check_exits(
+        chain.launcher, want, launch, others_want=bystander(chain.point, want, fault)
+    )
     after = neps_view(root)
     order = handed_order(launch)
     problems += check_trials(want, before, after, order)
-    leader, followers = statuses_by_role(launch)
+    leader, follower, others = statuses_by_role(launch)
     report(
         {
             "cell": f"{chain.id}-{fault.name}",
@@ -246,7 +270,7 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
             "ok": not problems,
             "problems": problems,
             "leader": list(leader.values()),
-            "followers": list(followers.values()),
+            "followers": [*follower.values(), *others.values()],
             "launcher_rc": launch.returncode,
             "gone_s": None if gone_s is None else round(gone_s, 2),
             "handed": [(tid, after.get(tid, ("missing",))[0]) for tid in order],
@@ -281,11 +305,11 @@ def last_run(chain: Chain, tmp_path: Path, logs: list[str]) -> list[str]:
         before = neps_view(root)
         last = run(chain.command(), tmp_path, name="last")
         found = check_finished(before, neps_view(root), BUDGET)
-        found += check_exits(chain.launcher, ALL_ZERO, last, last=True)
+        found += check_exits(chain.launcher, ALL_ZERO, last, last=True, others_want=S({0}))
         problems += [f"{chain.id}, the last run: {p}" for p in found]
         if found:
             logs.append(last.tail(40))
     return problems
 
 
-ALL_ZERO = Expect("returns", {}, frozenset({0}), frozenset({0}), False)
+ALL_ZERO = Expect("returns", {}, S({0}), S({0}), False)
