@@ -265,3 +265,57 @@ def test_attempt_resumed_from_and_has_group_travel_in_the_messages(tmp_path: Pat
     bad = encode(message(4, attempt=0), tag="t")
     with pytest.raises(MessageError, match="an attempt must be a positive integer"):
         decode(bad, tag="t")
+
+
+# -- every rank enters torch's rendezvous, or none does ---------------------------------
+def _store_pair() -> tuple[dist.TCPStore, dist.TCPStore]:
+    """Two ranks' clients of one real TCPStore (each rank has its own connection)."""
+    timeout = datetime.timedelta(seconds=60)
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timeout, wait_for_workers=False)
+    return server, dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=timeout)
+
+
+def _arrive_in_thread(store: Any, key: str) -> tuple[Any, list[BaseException | None]]:
+    import threading
+
+    from neps_bcast.ddp.group import all_or_none
+    from neps_bcast.transport.store import prefixed
+
+    got: list[BaseException | None] = []
+
+    def arrive() -> None:
+        try:
+            all_or_none(prefixed(key, store), 2)
+            got.append(None)
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=arrive)
+    thread.start()
+    return thread, got
+
+
+def test_forming_goes_ahead_once_every_rank_arrived() -> None:
+    from neps_bcast.ddp.group import abandon, all_or_none
+    from neps_bcast.transport.store import prefixed
+
+    server, client = _store_pair()
+    thread, got = _arrive_in_thread(client, "pg/1")
+    all_or_none(prefixed("pg/1", server), 2)
+    thread.join(timeout=60)
+    assert got == [None]
+    abandon(prefixed("pg/1", server))  # too late to abandon: it changes nothing
+    assert server.get("pg/1/neps_bcast/go") == b"form"
+
+
+def test_a_rank_that_will_not_form_frees_its_waiting_peer_at_once() -> None:
+    from neps_bcast.ddp.group import FormingAbandoned, abandon
+    from neps_bcast.transport.store import prefixed
+
+    server, client = _store_pair()
+    thread, got = _arrive_in_thread(client, "pg/2")
+    abandon(prefixed("pg/2", server))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert len(got) == 1 and isinstance(got[0], FormingAbandoned), got
+    assert "a peer did not come to form the trial's DDP group" in str(got[0])

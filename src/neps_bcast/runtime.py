@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from neps_bcast.compat.torch import Store
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
-from neps_bcast.ddp.group import UserGroup, group_connections
+from neps_bcast.ddp.group import UserGroup, abandon, group_connections
 from neps_bcast.errors import (
     FollowerLostError,
     LeaderLostError,
@@ -42,6 +42,7 @@ from neps_bcast.transport.messages import (
     encode,
 )
 from neps_bcast.transport.steps import Steps
+from neps_bcast.transport.store import prefixed
 
 _ACTIVE: Runtime | None = None
 _T = TypeVar("_T")
@@ -127,15 +128,27 @@ class Runtime:
 
     def reform_group(self, generation: int) -> None:
         assert self.link.store is not None
-        self.group.reform(self.link.store, generation)
+        with indivisible():  # a stop waits until formed: no peer left in the rendezvous
+            self.group.reform(self.link.store, generation)
 
     def form_group_for_session(self, seq: int) -> None:
         """Every rank at ``session()`` of trial ``seq``, where none has a group."""
         assert self.link.store is not None
-        self.group.form_for_session(
-            self.link.store, seq, self.settings.backend, self.launch.local_rank
-        )
+        with indivisible():  # a stop waits until formed: no peer left in the rendezvous
+            self.group.form_for_session(
+                self.link.store, seq, self.settings.backend, self.launch.local_rank
+            )
         self.owns_group = True
+
+    def abandon_forming(self, key: str) -> None:
+        """This rank failed before forming the group under ``key``: its peers waiting
+        to form it raise instead (``ddp.group.all_or_none``); never raises."""
+        if self.link.store is None:
+            return
+        try:
+            abandon(prefixed(key, self.link.store))
+        except Exception as exc:  # noqa: BLE001 - the rank's own error is the one to report
+            self.log(logging.WARNING, "could not tell the peers not to wait: %s", exc)
 
     # -- messages --------------------------------------------------------------
     def ensure_channel(self) -> bool:

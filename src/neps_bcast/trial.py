@@ -25,6 +25,7 @@ from typing import Any
 
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
+from neps_bcast.ddp.group import FormingAbandoned
 from neps_bcast.errors import (
     ErrorRecord,
     FollowerLostError,
@@ -40,7 +41,7 @@ from neps_bcast.errors import (
 from neps_bcast.recovery.signals import Terminated, indivisible, preemption
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
-from neps_bcast.transport.store import ErrorBoard
+from neps_bcast.transport.store import ErrorBoard, Keys
 
 
 class TrialRun:
@@ -86,7 +87,15 @@ class TrialRun:
         new group's connections failed there (seen in CI). A rank whose forming raised
         ends the trial instead of meeting; the others learn it here.
         """
-        self.rt.reform_group(generation)
+        # The leader's generation, whether or not forming works here: every later step
+        # of the trial is signed with it (a rank that raised before forming kept the
+        # old one, and its trial-end exchange was refused as forged: the fault sweep).
+        self.rt.group.generation = generation
+        try:
+            self.rt.reform_group(generation)
+        except BaseException:
+            self.rt.abandon_forming(Keys.group(generation))
+            raise
         reports = self.rt.exchange(self._report(Phase.GROUP_FORMED))
         if reports is not None:
             self._check_meeting(reports, Phase.GROUP_FORMED)
@@ -123,7 +132,11 @@ class TrialRun:
                     " `with neps_bcast.session()`, or on none (neps_bcast then forms it).",
                 )
             )
-        self.rt.form_group_for_session(self.message.seq)
+        try:
+            self.rt.form_group_for_session(self.message.seq)
+        except BaseException:
+            self.rt.abandon_forming(Keys.trial_group(self.message.seq))
+            raise
         self.formed_group = True
 
     def _check_meeting(self, reports: list[Report], phase: Phase) -> None:
@@ -156,7 +169,8 @@ class TrialRun:
             rt.group_rank,
             exc,
             pid=os.getpid(),
-            secondary=is_peer_closed(exc, group_released=rt.group.broken),
+            secondary=isinstance(exc, FormingAbandoned)
+            or is_peer_closed(exc, group_released=rt.group.broken),
             preempted=isinstance(exc, Terminated),
         )
         self.mine = record

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.ddp.teardown import drop_finished_frames
@@ -167,9 +168,9 @@ class UserGroup:
         and reuses it. Every rank forms the generation the leader chose, whatever its
         own view of the group, so they always meet under the same prefix.
         """
+        self.generation = generation
         if self.exists():
             dist.destroy_process_group()
-        self.generation = generation
         backend = self.backend or "gloo"
         logger.log(
             logging.INFO,
@@ -214,12 +215,53 @@ class UserGroup:
                     "this is a bug in neps_bcast; please report it with every rank's log.",
                 )
             )
+        all_or_none(store, self.world_size)
         torch_compat.reset_group_names()  # a failed init left it one up
         dist.init_process_group(
             backend, store=store, rank=self.group_rank, world_size=self.world_size
         )
         self.backend = backend
         self.broken = False
+
+
+ARRIVED = "neps_bcast/arrived"
+GO = "neps_bcast/go"
+ABANDONED = "abandoned"
+
+
+class FormingAbandoned(RuntimeError):
+    """A peer will not come to form the trial's group: it failed before it got there."""
+
+
+def all_or_none(store: torch_compat.Store, world_size: int) -> None:
+    """Every rank enters torch's rendezvous for a new group, or none does.
+
+    Why: torch's rendezvous waits for every rank for its whole timeout (30 min), and a
+    rank that fails before it gets there (its code raises, a stop) leaves its peers in
+    it, while it waits for them in the trial's end: the fault sweep hung a Lightning
+    launch so (an exception as the group was re-formed after a failed trial). Here each
+    rank counts itself in on the group's own store prefix; the last one says go. A rank
+    that will not come says so instead (``abandon``), and its peers raise at once. The
+    values are compared, never decoded: one written by someone else can only make a
+    trial fail, as writing torch's own rendezvous keys there could.
+    """
+    if store.add(ARRIVED, 1) == world_size:
+        store.set(GO, "form")
+    store.wait([GO], default_pg_timeout)  # as long as torch's rendezvous would wait
+    if store.get(GO) == ABANDONED.encode():
+        raise FormingAbandoned(
+            format_message(
+                rank_tag(),
+                "a peer did not come to form the trial's DDP group: it failed before it"
+                " got there (its error is the trial's).",
+            )
+        )
+
+
+def abandon(store: torch_compat.Store) -> None:
+    """This rank will not form the group its peers may wait to form (``all_or_none``):
+    they raise instead of waiting. Does nothing once every rank arrived."""
+    store.compare_set(GO, "", ABANDONED)
 
 
 _TRIAL_NAMES = itertools.count(1_000_001)
