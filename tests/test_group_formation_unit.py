@@ -319,3 +319,20 @@ def test_a_rank_that_will_not_form_frees_its_waiting_peer_at_once() -> None:
     assert not thread.is_alive()
     assert len(got) == 1 and isinstance(got[0], FormingAbandoned), got
     assert "a peer did not come to form the trial's DDP group" in str(got[0])
+
+
+def test_a_rank_waiting_for_its_peers_to_form_checks_they_live() -> None:
+    from neps_bcast.ddp.group import all_or_none
+    from neps_bcast.transport.store import prefixed
+
+    server, _ = _store_pair()
+    looks: list[float] = []
+
+    def peers_alive() -> None:
+        looks.append(1.0)
+        if len(looks) == 2:  # the second look finds a peer gone (SIGKILLed, never came)
+            raise RuntimeError("rank 1 lost: signal 9 (SIGKILL)")
+
+    with pytest.raises(RuntimeError, match="rank 1 lost"):
+        all_or_none(prefixed("pg/3", server), 2, peers_alive)
+    assert len(looks) == 2

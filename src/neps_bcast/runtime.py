@@ -129,16 +129,27 @@ class Runtime:
     def reform_group(self, generation: int) -> None:
         assert self.link.store is not None
         with indivisible():  # a stop waits until formed: no peer left in the rendezvous
-            self.group.reform(self.link.store, generation)
+            self.group.reform(self.link.store, generation, self._peers_alive)
 
     def form_group_for_session(self, seq: int) -> None:
         """Every rank at ``session()`` of trial ``seq``, where none has a group."""
         assert self.link.store is not None
         with indivisible():  # a stop waits until formed: no peer left in the rendezvous
             self.group.form_for_session(
-                self.link.store, seq, self.settings.backend, self.launch.local_rank
+                self.link.store,
+                seq,
+                self.settings.backend,
+                self.launch.local_rank,
+                self._peers_alive,
             )
         self.owns_group = True
+
+    def _peers_alive(self) -> None:
+        """Raises the lost-peer error for a rank on this host that is gone (a SIGKILLed
+        peer never counts itself in to form the group)."""
+        gone = self.link.peers.describe_lost(self.link.store, self.world_size)
+        if gone:
+            raise self.lost(RuntimeError("gone while the group was being formed"))
 
     def abandon_forming(self, key: str) -> None:
         """This rank failed before forming the group under ``key``: its peers waiting

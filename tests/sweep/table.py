@@ -335,18 +335,6 @@ def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
         return Expect("user_stop", states(*done, (n, "crashed")), interrupt_exit, stopped, True)
     if fault.name == "kill_leader":
         return Expect("leader_lost", states(*done, (n, "evaluating")), S({-9}), S({1}), True)
-    if fault.name == "kill_follower" and point.name == "form" and torchrun:
-        # A gap, found by this sweep: the leader waits in torch's rendezvous for the new
-        # group, which does not see the follower die, until torchrun kills it.
-        return Expect(
-            "follower_lost",
-            states(*done, (n, ("pending", "evaluating"))),
-            S({1, -9}),
-            S({-9}),
-            True,
-            "a gap: the leader waits in torch's rendezvous for the dead follower until"
-            " torchrun SIGKILLs it (~30 s); the trial's lease puts it back at the next start",
-        )
     if fault.name == "kill_follower":
         return Expect(
             "follower_lost", states(*done, (n, "pending")), S({1}) | observed, S({-9}), True

@@ -36,9 +36,11 @@ user's database, tracker, or anything opened before or during the trial).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -160,7 +162,9 @@ class UserGroup:
         """Leader, before handing a trial: the generation to form it as, if it must be."""
         return self.generation + 1 if self.needs_reform() else None
 
-    def reform(self, store: torch_compat.Store, generation: int) -> None:
+    def reform(
+        self, store: torch_compat.Store, generation: int, peers_alive: Callable[[], None]
+    ) -> None:
         """Form the group again, as the leader said, before a trial.
 
         Uses the leader's store under the generation's own prefix, so no stale
@@ -178,7 +182,7 @@ class UserGroup:
             backend,
             self.generation,
         )
-        self._form(backend, prefixed(Keys.group(self.generation), store))
+        self._form(backend, prefixed(Keys.group(self.generation), store), peers_alive)
 
     def name_for_trial(self) -> None:
         """Before each trial (external launches, every rank): the next default group,
@@ -197,16 +201,23 @@ class UserGroup:
         torch_compat.name_next_group(number)
 
     def form_for_session(
-        self, store: torch_compat.Store, seq: int, backend: str | None, local_rank: int
+        self,
+        store: torch_compat.Store,
+        seq: int,
+        backend: str | None,
+        local_rank: int,
+        peers_alive: Callable[[], None],
     ) -> str:
         """At ``session()``, where no rank's code formed a group: form it (on the
         leader's store, under the trial's own prefix); returns the backend."""
         chosen = backend or _default_backend(local_rank)
         logger.log(logging.INFO, "forming the DDP group for trial #%d (%s)", seq, chosen)
-        self._form(chosen, prefixed(Keys.trial_group(seq), store))
+        self._form(chosen, prefixed(Keys.trial_group(seq), store), peers_alive)
         return chosen
 
-    def _form(self, backend: str, store: torch_compat.Store) -> None:
+    def _form(
+        self, backend: str, store: torch_compat.Store, peers_alive: Callable[[], None]
+    ) -> None:
         if self.world_size is None:
             raise ProtocolError(
                 format_message(
@@ -215,7 +226,7 @@ class UserGroup:
                     "this is a bug in neps_bcast; please report it with every rank's log.",
                 )
             )
-        all_or_none(store, self.world_size)
+        all_or_none(store, self.world_size, peers_alive)
         torch_compat.reset_group_names()  # a failed init left it one up
         dist.init_process_group(
             backend, store=store, rank=self.group_rank, world_size=self.world_size
@@ -224,6 +235,8 @@ class UserGroup:
         self.broken = False
 
 
+ARRIVAL_CHECK = datetime.timedelta(seconds=1)
+"""How often a rank waiting for its peers to come and form a group checks they live."""
 ARRIVED = "neps_bcast/arrived"
 GO = "neps_bcast/go"
 ABANDONED = "abandoned"
@@ -233,7 +246,9 @@ class FormingAbandoned(RuntimeError):
     """A peer will not come to form the trial's group: it failed before it got there."""
 
 
-def all_or_none(store: torch_compat.Store, world_size: int) -> None:
+def all_or_none(
+    store: torch_compat.Store, world_size: int, peers_alive: Callable[[], None] = lambda: None
+) -> None:
     """Every rank enters torch's rendezvous for a new group, or none does.
 
     Why: torch's rendezvous waits for every rank for its whole timeout (30 min), and a
@@ -244,10 +259,20 @@ def all_or_none(store: torch_compat.Store, world_size: int) -> None:
     that will not come says so instead (``abandon``), and its peers raise at once. The
     values are compared, never decoded: one written by someone else can only make a
     trial fail, as writing torch's own rendezvous keys there could.
+
+    A rank killed before it counts itself in cannot say so: while it waits, this rank
+    asks ``peers_alive`` (which raises for a peer it can see is gone) every
+    ``ARRIVAL_CHECK_S``, up to torch's own rendezvous timeout.
     """
     if store.add(ARRIVED, 1) == world_size:
         store.set(GO, "form")
-    store.wait([GO], default_pg_timeout)  # as long as torch's rendezvous would wait
+    deadline = time.monotonic() + default_pg_timeout.total_seconds()
+    while not store.check([GO]):
+        peers_alive()
+        if time.monotonic() > deadline:
+            store.wait([GO], datetime.timedelta(seconds=0.001))  # raises torch's timeout
+        with contextlib.suppress(dist.DistStoreError):
+            store.wait([GO], ARRIVAL_CHECK)
     if store.get(GO) == ABANDONED.encode():
         raise FormingAbandoned(
             format_message(
