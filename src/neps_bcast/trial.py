@@ -102,11 +102,17 @@ class TrialRun:
 
     # -- session entry ---------------------------------------------------------
     def enter_session(self) -> None:
-        """Meet the other ranks at ``session()``; raises if they are not all here."""
-        reports = self.rt.exchange(self._report(Phase.SESSION_ENTER))
-        if reports is not None:
-            self._check_meeting(reports, Phase.SESSION_ENTER)
-            self._form_group_if_none(reports)
+        """Meet the other ranks at ``session()``; raises if they are not all here.
+
+        The meeting and the forming of a group after it are one step for a stop: raised
+        between the two (at the meeting's end), a follower left its leader waiting to
+        form the group with it (the fault sweep, SIGTERM to the follower as the leader
+        formed the group at ``session()`` under torchrun)."""
+        with indivisible():
+            reports = self.rt.exchange(self._report(Phase.SESSION_ENTER))
+            if reports is not None:
+                self._check_meeting(reports, Phase.SESSION_ENTER)
+                self._form_group_if_none(reports)
         self.rt.observe_group()
         self.in_session = True
 
