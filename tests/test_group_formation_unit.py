@@ -321,18 +321,46 @@ def test_a_rank_that_will_not_form_frees_its_waiting_peer_at_once() -> None:
     assert "a peer did not come to form the trial's DDP group" in str(got[0])
 
 
-def test_a_rank_waiting_for_its_peers_to_form_checks_they_live() -> None:
-    from neps_bcast.ddp.group import all_or_none
-    from neps_bcast.transport.store import prefixed
-
-    server, _ = _store_pair()
+def _second_look_finds_rank_1_gone() -> tuple[list[float], Any]:
     looks: list[float] = []
 
     def peers_alive() -> None:
         looks.append(1.0)
-        if len(looks) == 2:  # the second look finds a peer gone (SIGKILLed, never came)
+        if len(looks) == 2:  # the second look finds a peer gone (SIGKILLed)
             raise RuntimeError("rank 1 lost: signal 9 (SIGKILL)")
 
+    return looks, peers_alive
+
+
+def test_a_rank_waiting_for_its_peers_to_form_checks_they_live() -> None:
+    from neps_bcast.ddp.group import WatchedStore, all_or_none
+    from neps_bcast.transport.store import prefixed
+
+    server, _ = _store_pair()
+    looks, peers_alive = _second_look_finds_rank_1_gone()
     with pytest.raises(RuntimeError, match="rank 1 lost"):
-        all_or_none(prefixed("pg/3", server), 2, peers_alive)
+        all_or_none(WatchedStore(prefixed("pg/3", server), peers_alive), 2)
     assert len(looks) == 2
+
+
+def test_torchs_rendezvous_on_a_watched_store_raises_for_a_lost_peer() -> None:
+    # The peer counted itself in and was killed before it published its address:
+    # torch's own rendezvous would wait for it for its whole timeout (30 min).
+    from neps_bcast.compat import torch as torch_compat
+    from neps_bcast.ddp.group import WatchedStore
+    from neps_bcast.transport.store import prefixed
+
+    server, _ = _store_pair()
+    looks, peers_alive = _second_look_finds_rank_1_gone()
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 lost"):
+            dist.init_process_group(
+                "gloo",
+                store=WatchedStore(prefixed("pg/4", server), peers_alive),
+                rank=0,
+                world_size=2,
+            )
+    finally:
+        torch_compat.reset_group_names()
+    assert len(looks) == 2
+    assert not dist.is_initialized()

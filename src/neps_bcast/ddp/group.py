@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.ddp.teardown import drop_finished_frames
@@ -226,10 +225,11 @@ class UserGroup:
                     "this is a bug in neps_bcast; please report it with every rank's log.",
                 )
             )
-        all_or_none(store, self.world_size, peers_alive)
+        watched = WatchedStore(store, peers_alive)
+        all_or_none(watched, self.world_size)
         torch_compat.reset_group_names()  # a failed init left it one up
         dist.init_process_group(
-            backend, store=store, rank=self.group_rank, world_size=self.world_size
+            backend, store=watched, rank=self.group_rank, world_size=self.world_size
         )
         self.backend = backend
         self.broken = False
@@ -246,9 +246,65 @@ class FormingAbandoned(RuntimeError):
     """A peer will not come to form the trial's group: it failed before it got there."""
 
 
-def all_or_none(
-    store: torch_compat.Store, world_size: int, peers_alive: Callable[[], None] = lambda: None
-) -> None:
+class WatchedStore(torch_compat.Store):
+    """A store whose every wait looks, every ``ARRIVAL_CHECK``, that the group's peers
+    live (``peers_alive`` raises for one it can see is gone), up to the store's timeout.
+
+    Why: forming a group waits on the store twice, and a peer SIGKILLed in either wait
+    never writes what the other ranks wait for: in ``all_or_none`` (it never counts
+    itself in) and in torch's own rendezvous (it counted itself in and was killed
+    before it published its address). torch waits there for its whole timeout (30 min;
+    the fault sweep saw torchrun SIGKILL the leader after ~30 s). torch calls a store
+    written in Python for every ``get`` and ``wait`` of its rendezvous, so the group is
+    formed on this one: a lost peer is found within ``ARRIVAL_CHECK``. A peer that
+    published its address and then died is found by gloo itself (the connection is
+    refused). The other calls go to the store as they are.
+    """
+
+    def __init__(self, inner: torch_compat.Store, peers_alive: Callable[[], None]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.peers_alive = peers_alive
+        self.set_timeout(inner.timeout)  # type: ignore[attr-defined]  # not in the stubs
+
+    def set(self, key: str, value: str) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._wait([key])
+        return self.inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected_value: str, desired_value: str) -> bytes:
+        return self.inner.compare_set(key, expected_value, desired_value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait(keys, timeout)
+
+    def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]
+        while True:
+            try:
+                self.inner.wait(keys, min(ARRIVAL_CHECK, timeout or ARRIVAL_CHECK))
+                return
+            except dist.DistStoreError:
+                self.peers_alive()
+                if time.monotonic() > deadline:
+                    raise
+
+
+def all_or_none(store: torch_compat.Store, world_size: int) -> None:
     """Every rank enters torch's rendezvous for a new group, or none does.
 
     Why: torch's rendezvous waits for every rank for its whole timeout (30 min), and a
@@ -258,21 +314,13 @@ def all_or_none(
     rank counts itself in on the group's own store prefix; the last one says go. A rank
     that will not come says so instead (``abandon``), and its peers raise at once. The
     values are compared, never decoded: one written by someone else can only make a
-    trial fail, as writing torch's own rendezvous keys there could.
-
-    A rank killed before it counts itself in cannot say so: while it waits, this rank
-    asks ``peers_alive`` (which raises for a peer it can see is gone) every
-    ``ARRIVAL_CHECK_S``, up to torch's own rendezvous timeout.
+    trial fail, as writing torch's own rendezvous keys there could. A rank killed
+    before it counts itself in cannot say so: on a ``WatchedStore`` the wait raises
+    for it.
     """
     if store.add(ARRIVED, 1) == world_size:
         store.set(GO, "form")
-    deadline = time.monotonic() + default_pg_timeout.total_seconds()
-    while not store.check([GO]):
-        peers_alive()
-        if time.monotonic() > deadline:
-            store.wait([GO], datetime.timedelta(seconds=0.001))  # raises torch's timeout
-        with contextlib.suppress(dist.DistStoreError):
-            store.wait([GO], ARRIVAL_CHECK)
+    store.wait([GO])
     if store.get(GO) == ABANDONED.encode():
         raise FormingAbandoned(
             format_message(
