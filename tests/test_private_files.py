@@ -213,3 +213,43 @@ def test_the_private_directory_follows_the_users_runtime_directory_only_when_pri
     fallback = private.private_dir({"XDG_RUNTIME_DIR": str(runtime)})
     assert fallback.name == f"neps_bcast-{os.geteuid()}"
     assert fallback.parent != runtime
+
+
+def test_a_trial_left_by_a_leader_that_is_gone_is_removed_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Lightning leader SIGKILLed before its children read trial 1 cannot remove the
+    # trial it left them; the next leader on the host removes it, and only it.
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    tmp_path.chmod(0o700)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = private.new_dir()
+        assert alive.parent == tmp_path / "neps_bcast"
+        with private.opened(alive, create=False) as folder:
+            folder.write("trial", b"signed trial")
+        # Left by a leader that is gone (the child, killed below), by an earlier
+        # process under a pid now reused (another start time), and by a process of
+        # another pid namespace (not this host's to judge: kept).
+        namespace = private._pid_namespace()
+        start = private.procfs.start_ticks(child.pid)
+        names = {
+            "dead": f"trial-{child.pid}.{start}.{namespace}-dead",
+            "reused": f"trial-{child.pid}.{(start or 0) + 1}.{namespace}-reuse",
+            "other_namespace": f"trial-{child.pid}.{(start or 0) + 1}.1-other",
+        }
+        for name in names.values():
+            (alive.parent / name).mkdir(mode=0o700)
+            (alive.parent / name / "trial").write_bytes(b"left")
+        child.kill()
+        child.wait()
+        second = private.new_dir()
+        left = sorted(p.name for p in alive.parent.iterdir())
+        assert left == sorted([alive.name, second.name, names["other_namespace"]])
+        assert (alive / "trial").read_bytes() == b"signed trial"
+    finally:
+        child.kill()
+        child.wait()

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from neps_bcast.compat import procfs
 from neps_bcast.errors import AuthError, format_message
 from neps_bcast.log import rank_tag
 
@@ -244,6 +245,54 @@ def opened(
         directory.close()
 
 
+TRIAL_DIR_PREFIX = "trial-"
+
+
 def new_dir() -> Path:
-    """A fresh private directory with a name nobody can have taken (``mkdtemp``, 0700)."""
-    return Path(tempfile.mkdtemp(prefix="neps_bcast-"))
+    """A fresh private directory with a name nobody can have taken (``mkdtemp``, 0700),
+    in this user's ``private_dir``, named after the process that makes it.
+
+    Why the name: a leader SIGKILLed before its Lightning children read trial 1 cannot
+    remove the trial it left for them; the next leader on this host removes every such
+    directory whose maker is gone (a test run left one per killed leader in ``/tmp``).
+    """
+    with opened(private_dir(), create=True) as parent:
+        remove_left_behind(parent)
+    prefix = f"{TRIAL_DIR_PREFIX}{_process_tag(os.getpid())}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent.path))
+
+
+def _process_tag(pid: int) -> str:
+    """``<pid>.<start ticks>.<pid namespace>``: one process of this machine's boot (a
+    reused pid has another start time; another pid namespace another meaning)."""
+    return f"{pid}.{procfs.start_ticks(pid)}.{_pid_namespace()}"
+
+
+def _pid_namespace() -> str:
+    try:
+        return "".join(c for c in str(Path("/proc/self/ns/pid").readlink()) if c.isdigit())
+    except OSError:
+        return "0"
+
+
+def remove_left_behind(parent: PrivateDir) -> None:
+    """Remove the trial directories in ``parent`` whose maker, a process of this pid
+    namespace, is gone; never raises (a leftover is only a leftover)."""
+    namespace = _pid_namespace()
+    for name in os.listdir(parent.fd):  # noqa: PTH208 - through the checked descriptor
+        if not name.startswith(TRIAL_DIR_PREFIX):
+            continue
+        tag = name[len(TRIAL_DIR_PREFIX) :].rpartition("-")[0]  # mkdtemp's part has no "-"
+        fields = tag.split(".")
+        if len(fields) != 3 or not fields[0].isdigit() or fields[2] != namespace:
+            continue
+        if _process_tag(int(fields[0])) == tag:
+            continue  # its maker lives
+        with contextlib.suppress(OSError):
+            fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
+            try:
+                for entry in os.listdir(fd):  # noqa: PTH208 - through the descriptor
+                    os.unlink(entry, dir_fd=fd)
+            finally:
+                os.close(fd)
+            os.rmdir(name, dir_fd=parent.fd)
