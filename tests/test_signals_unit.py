@@ -219,3 +219,34 @@ def test_a_stop_inside_a_step_while_the_leader_waits_keeps_waiting() -> None:
             send(signal.SIGTERM)
         with pytest.raises(Terminated):
             signals.raise_waiting_sigterm()
+
+
+@pytest.mark.parametrize(
+    ("signum", "kind"), [(signal.SIGTERM, "Terminated"), (signal.SIGINT, "KeyboardInterrupt")]
+)
+def test_a_stop_while_a_trial_is_settled_waits_until_it_is_and_the_original_wins(
+    tmp_path: Any, signum: int, kind: str
+) -> None:
+    """torchrun SIGTERMs the leader once a follower is SIGKILLed; landing while the
+    leader put the trial back, it left the trial "evaluating" (the fault sweep, 3 ranks,
+    trial-end exchange)."""
+    from pathlib import Path
+
+    from neps_bcast.compat.neps import NepsTrialInfo
+    from neps_bcast.errors import FollowerLostError
+    from neps_bcast.recovery import settle
+
+    given_back: list[str] = []
+
+    class Leases:
+        def give_back(self, trial_id: str, directory: Path, why: str) -> str:
+            send(signum)
+            given_back.append(trial_id)
+            return "back to pending"
+
+    lost = FollowerLostError("rank 1 lost: signal 9 (SIGKILL)")
+    info = NepsTrialInfo("7", Path(tmp_path), None)
+    with stop_signals():
+        settle.trial(info, Path(tmp_path), Leases(), lost)  # type: ignore[arg-type]
+    assert given_back == ["7"]
+    assert any(kind in note for note in getattr(lost, "__notes__", [])), lost

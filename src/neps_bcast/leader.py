@@ -201,11 +201,11 @@ def _abort(
 ) -> NoReturn:
     """The group lost a rank: settle the trial, then stop ``neps.run`` (never sample
     again on a broken group, whatever happens while settling)."""
-    rt.log(logging.ERROR, "%s", exc)
     try:
         settle.trial(info, root_directory, leases, exc)
     finally:
         rt.settled.set()
+    rt.log(logging.ERROR, "%s", exc)  # after: a stop in the log call cannot skip the settling
     raise SearchAborted(exc) from exc
 
 

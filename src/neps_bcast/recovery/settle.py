@@ -22,7 +22,7 @@ from neps_bcast.compat import neps as neps_compat
 from neps_bcast.errors import FollowerLostError, first_line
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease import Leases
-from neps_bcast.recovery.signals import Terminated
+from neps_bcast.recovery.signals import Terminated, indivisible
 
 
 def trial(
@@ -34,23 +34,46 @@ def trial(
     """A trial that ended with ``exc`` instead of a result: settle it; never raises.
 
     A scheduler's stop (``Terminated``) or a lost rank puts it back to pending where it
-    has a lease; anything else (Ctrl-C, ``sys.exit``, or no lease) records it crashed."""
-    lost = isinstance(exc, FollowerLostError)
+    has a lease; anything else (Ctrl-C, ``sys.exit``, or no lease) records it crashed.
+
+    Settling is one step for a stop: a SIGTERM or Ctrl-C that lands in it waits until
+    the trial is settled, then is attached to ``exc`` (the original keeps its exit
+    code). Raised in the middle, it left the trial "evaluating": the fault sweep saw
+    torchrun's SIGTERM, sent because a follower was SIGKILLed, land while the leader put
+    the trial back."""
     try:
-        if leases is not None and info.pipeline_directory and (lost or isinstance(exc, Terminated)):
-            why, how = (first_line(exc), ("", "")) if lost else _preempted(exc)
-            what = leases.give_back(info.trial_id, info.pipeline_directory, why)
-            logger.warning("%strial %s: %s%s", how[0], info.trial_id, what, how[1])
-        elif lost:
-            neps_compat.record_crashed(info.trial_id, root_directory, exc)
-        else:
-            neps_compat.record_crashed(
-                info.trial_id,
-                root_directory,
-                RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
-            )
-    except BaseException as secondary:  # noqa: BLE001 - the original error wins
-        attach(exc, info.trial_id, secondary)
+        with indivisible():
+            try:
+                _settle(info, root_directory, leases, exc)
+            except BaseException as secondary:  # noqa: BLE001 - the original error wins
+                attach(exc, info.trial_id, secondary)
+    except BaseException as stop:  # noqa: BLE001 - a stop held until settled; the original wins
+        note = f"{type(stop).__name__} {stop} came while trial {info.trial_id} was settled".rstrip()
+        add_note = getattr(exc, "add_note", None)  # Python >= 3.11
+        if callable(add_note):
+            add_note(note)
+        logger.warning("%s (after %s)", note, first_line(exc))
+
+
+def _settle(
+    info: neps_compat.NepsTrialInfo,
+    root_directory: Path,
+    leases: Leases | None,
+    exc: BaseException,
+) -> None:
+    lost = isinstance(exc, FollowerLostError)
+    if leases is not None and info.pipeline_directory and (lost or isinstance(exc, Terminated)):
+        why, how = (first_line(exc), ("", "")) if lost else _preempted(exc)
+        what = leases.give_back(info.trial_id, info.pipeline_directory, why)
+        logger.warning("%strial %s: %s%s", how[0], info.trial_id, what, how[1])
+    elif lost:
+        neps_compat.record_crashed(info.trial_id, root_directory, exc)
+    else:
+        neps_compat.record_crashed(
+            info.trial_id,
+            root_directory,
+            RuntimeError(f"interrupted: {type(exc).__name__} {exc}".rstrip()),
+        )
 
 
 def _preempted(exc: BaseException) -> tuple[str, tuple[str, str]]:
