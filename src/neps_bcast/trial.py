@@ -91,11 +91,7 @@ class TrialRun:
         # of the trial is signed with it (a rank that raised before forming kept the
         # old one, and its trial-end exchange was refused as forged: the fault sweep).
         self.rt.group.generation = generation
-        try:
-            self.rt.reform_group(generation)
-        except BaseException:
-            self.rt.abandon_forming(Keys.group(generation))
-            raise
+        self._form(Keys.group(generation), lambda: self.rt.reform_group(generation))
         reports = self.rt.exchange(self._report(Phase.GROUP_FORMED))
         if reports is not None:
             self._check_meeting(reports, Phase.GROUP_FORMED)
@@ -138,12 +134,20 @@ class TrialRun:
                     " `with neps_bcast.session()`, or on none (neps_bcast then forms it).",
                 )
             )
-        try:
-            self.rt.form_group_for_session(self.message.seq)
-        except BaseException:
-            self.rt.abandon_forming(Keys.trial_group(self.message.seq))
-            raise
+        self._form(
+            Keys.trial_group(self.message.seq),
+            lambda: self.rt.form_group_for_session(self.message.seq),
+        )
         self.formed_group = True
+
+    def _form(self, key: str, form: Callable[[], None]) -> None:
+        """Form the group under the store prefix ``key``; if anything in it raises, tell
+        the peers that may wait to form it with this rank first (they raise at once)."""
+        try:
+            form()
+        except BaseException:
+            self.rt.abandon_forming(key)
+            raise
 
     def _check_meeting(self, reports: list[Report], phase: Phase) -> None:
         if any(r.phase == Phase.TRIAL_END for r in reports):
