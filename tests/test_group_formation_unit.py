@@ -141,6 +141,31 @@ def test_without_a_group_at_session_neps_bcast_forms_one() -> None:
 
 
 @pytest.mark.usefixtures("no_group")
+def test_the_users_new_group_on_the_group_neps_bcast_formed_works() -> None:
+    """The group is formed on a store written in Python (it watches the peers while
+    forming); torch keeps only its C++ half, and a new_group after the Python half was
+    collected failed with "Not implemented" (the release tests' subgroup trials)."""
+    import gc
+
+    rt = external_runtime(dist.HashStore())
+    sums: list[float] = []
+
+    def makes_a_subgroup(lr: float) -> float:
+        with neps_bcast.session():
+            gc.collect()
+            group = dist.new_group(ranks=[0], backend="gloo")
+            total = torch.ones(1)
+            dist.all_reduce(total, group=group)
+            sums.append(float(total.item()))
+        return lr
+
+    with rt.activated():
+        outcome = evaluate(rt, makes_a_subgroup, message(1))
+    assert outcome.failures == []
+    assert sums == [1.0]
+
+
+@pytest.mark.usefixtures("no_group")
 def test_init_inside_the_session_after_neps_bcast_formed_the_group_names_the_fix() -> None:
     rt = external_runtime(dist.HashStore())
 

@@ -225,12 +225,15 @@ class UserGroup:
                     "this is a bug in neps_bcast; please report it with every rank's log.",
                 )
             )
+        global _FORMED_ON  # noqa: PLW0603 - see _FORMED_ON
         watched = WatchedStore(store, peers_alive)
         all_or_none(watched, self.world_size)
         torch_compat.reset_group_names()  # a failed init left it one up
         dist.init_process_group(
             backend, store=watched, rank=self.group_rank, world_size=self.world_size
         )
+        watched.peers_alive = _nobody_to_watch  # formed: holds no reference to the run
+        _FORMED_ON = watched
         self.backend = backend
         self.broken = False
 
@@ -244,6 +247,17 @@ ABANDONED = "abandoned"
 
 class FormingAbandoned(RuntimeError):
     """A peer will not come to form the trial's group: it failed before it got there."""
+
+
+def _nobody_to_watch() -> None:
+    return None
+
+
+_FORMED_ON: WatchedStore | None = None
+"""The store of the group formed last, kept alive with it: torch holds the C++ half of a
+store written in Python, and every later call into it (a ``new_group`` of the user's
+code, on every torch tested) fails with "Not implemented" once the Python half is
+collected. A group is formed only where none exists, so the last one is the only one."""
 
 
 class WatchedStore(torch_compat.Store):
