@@ -222,33 +222,38 @@ def test_a_trial_left_by_a_leader_that_is_gone_is_removed_by_the_next(
     # trial it left them; the next leader on the host removes it, and only it.
     import subprocess
     import sys
+    import tempfile
 
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    tmp_path.chmod(0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         alive = private.new_dir()
-        assert alive.parent == tmp_path / "neps_bcast"
+        assert alive.parent == tmp_path
         with private.opened(alive, create=False) as folder:
             folder.write("trial", b"signed trial")
         # Left by a leader that is gone (the child, killed below), by an earlier
-        # process under a pid now reused (another start time), and by a process of
-        # another pid namespace (not this host's to judge: kept).
+        # process under a pid now reused (another start time), by a process of
+        # another pid namespace (not this host's to judge), and one with a left-behind
+        # name that is open to others (not this user's own private directory): kept.
         namespace = private._pid_namespace()
         start = private.procfs.start_ticks(child.pid)
         names = {
-            "dead": f"trial-{child.pid}.{start}.{namespace}-dead",
-            "reused": f"trial-{child.pid}.{(start or 0) + 1}.{namespace}-reuse",
-            "other_namespace": f"trial-{child.pid}.{(start or 0) + 1}.1-other",
+            "dead": f"neps_bcast-trial-{child.pid}.{start}.{namespace}-dead",
+            "reused": f"neps_bcast-trial-{child.pid}.{(start or 0) + 1}.{namespace}-reuse",
+            "other_namespace": f"neps_bcast-trial-{child.pid}.{(start or 0) + 1}.1-other",
+            "open": f"neps_bcast-trial-{child.pid}.{(start or 0) + 1}.{namespace}-open",
         }
-        for name in names.values():
-            (alive.parent / name).mkdir(mode=0o700)
-            (alive.parent / name / "trial").write_bytes(b"left")
+        for key, name in names.items():
+            (tmp_path / name).mkdir(mode=0o755 if key == "open" else 0o700)
+            (tmp_path / name).chmod(0o755 if key == "open" else 0o700)
+            (tmp_path / name / "trial").write_bytes(b"left")
+        (tmp_path / "unrelated").mkdir()
         child.kill()
         child.wait()
         second = private.new_dir()
-        left = sorted(p.name for p in alive.parent.iterdir())
-        assert left == sorted([alive.name, second.name, names["other_namespace"]])
+        left = sorted(p.name for p in tmp_path.iterdir())
+        kept = [alive.name, second.name, names["other_namespace"], names["open"], "unrelated"]
+        assert left == sorted(kept)
         assert (alive / "trial").read_bytes() == b"signed trial"
     finally:
         child.kill()

@@ -245,21 +245,22 @@ def opened(
         directory.close()
 
 
-TRIAL_DIR_PREFIX = "trial-"
+TRIAL_DIR_PREFIX = "neps_bcast-trial-"
 
 
 def new_dir() -> Path:
-    """A fresh private directory with a name nobody can have taken (``mkdtemp``, 0700),
-    in this user's ``private_dir``, named after the process that makes it.
+    """A fresh private directory with a name nobody can have taken (``mkdtemp``, 0700,
+    in the temporary directory), named after the process that makes it.
 
     Why the name: a leader SIGKILLed before its Lightning children read trial 1 cannot
     remove the trial it left for them; the next leader on this host removes every such
-    directory whose maker is gone (a test run left one per killed leader in ``/tmp``).
+    directory of this user's whose maker is gone (a test run left one per killed leader
+    in ``/tmp``). Not in ``private_dir``: a directory planted there by another user
+    must not stop a search that sets ``NEPS_BCAST_SECRET`` (then no file is used there).
     """
-    with opened(private_dir(), create=True) as parent:
-        remove_left_behind(parent)
+    remove_left_behind(Path(tempfile.gettempdir()))
     prefix = f"{TRIAL_DIR_PREFIX}{_process_tag(os.getpid())}-"
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent.path))
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def _process_tag(pid: int) -> str:
@@ -275,24 +276,42 @@ def _pid_namespace() -> str:
         return "0"
 
 
-def remove_left_behind(parent: PrivateDir) -> None:
-    """Remove the trial directories in ``parent`` whose maker, a process of this pid
-    namespace, is gone; never raises (a leftover is only a leftover)."""
+def remove_left_behind(parent: Path) -> None:
+    """Remove the trial directories in ``parent`` that this user made and whose maker, a
+    process of this pid namespace, is gone; never raises (a leftover is only a
+    leftover). A directory of that name that is not this user's own (mode 0700) is left
+    alone: everything is reached through descriptors opened without following links."""
     namespace = _pid_namespace()
-    for name in os.listdir(parent.fd):  # noqa: PTH208 - through the checked descriptor
-        if not name.startswith(TRIAL_DIR_PREFIX):
-            continue
-        tag = name[len(TRIAL_DIR_PREFIX) :].rpartition("-")[0]  # mkdtemp's part has no "-"
-        fields = tag.split(".")
-        if len(fields) != 3 or not fields[0].isdigit() or fields[2] != namespace:
-            continue
-        if _process_tag(int(fields[0])) == tag:
-            continue  # its maker lives
-        with contextlib.suppress(OSError):
-            fd = os.open(name, _DIR_FLAGS, dir_fd=parent.fd)
-            try:
-                for entry in os.listdir(fd):  # noqa: PTH208 - through the descriptor
-                    os.unlink(entry, dir_fd=fd)
-            finally:
-                os.close(fd)
-            os.rmdir(name, dir_fd=parent.fd)
+    try:
+        parent_fd = os.open(parent, _DIR_FLAGS)
+    except OSError:
+        return
+    try:
+        for name in os.listdir(parent_fd):  # noqa: PTH208 - through the descriptor
+            tag = name[len(TRIAL_DIR_PREFIX) :].rpartition("-")[0]  # mkdtemp adds no "-"
+            fields = tag.split(".")
+            if (
+                not name.startswith(TRIAL_DIR_PREFIX)
+                or len(fields) != 3
+                or not fields[0].isdigit()
+                or fields[2] != namespace
+                or _process_tag(int(fields[0])) == tag  # its maker lives
+            ):
+                continue
+            with contextlib.suppress(OSError):
+                _remove_own_dir(parent_fd, name)
+    finally:
+        os.close(parent_fd)
+
+
+def _remove_own_dir(parent_fd: int, name: str) -> None:
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return
+        for entry in os.listdir(fd):  # noqa: PTH208 - through the descriptor
+            os.unlink(entry, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
