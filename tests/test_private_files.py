@@ -235,7 +235,7 @@ def test_a_trial_left_by_a_leader_that_is_gone_is_removed_by_the_next(
         # process under a pid now reused (another start time), by a process of
         # another pid namespace (not this host's to judge), and one with a left-behind
         # name that is open to others (not this user's own private directory): kept.
-        namespace = private._pid_namespace()
+        namespace = "".join(c for c in private.procfs.pid_namespace() if c.isdigit())
         start = private.procfs.start_ticks(child.pid)
         names = {
             "dead": f"neps_bcast-trial-{child.pid}.{start}.{namespace}-dead",

@@ -61,6 +61,15 @@ def start_ticks(pid: int) -> int | None:
     return int(raw[raw.rindex(")") + 2 :].split()[19])
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[<inode>]``), "" where it cannot be read: a
+    pid means one process only within it."""
+    try:
+        return str(Path("/proc/self/ns/pid").readlink())
+    except OSError:
+        return ""
+
+
 def is_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     stat = read_stat(pid)

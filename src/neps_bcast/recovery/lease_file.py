@@ -35,13 +35,6 @@ def _boot_id() -> str:
         return ""
 
 
-def _pid_namespace() -> str:
-    try:
-        return str(Path("/proc/self/ns/pid").readlink())
-    except OSError:
-        return ""
-
-
 @dataclass(frozen=True)
 class Owner:
     """One process on one machine, for as long as that machine is up."""
@@ -58,7 +51,7 @@ class Owner:
         return cls(
             host=socket.gethostname(),
             boot_id=_boot_id(),
-            pid_namespace=_pid_namespace(),
+            pid_namespace=procfs.pid_namespace(),
             pid=pid,
             start_ticks=procfs.start_ticks(pid) or 0,
         )

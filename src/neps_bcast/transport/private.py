@@ -264,54 +264,33 @@ def new_dir() -> Path:
 
 
 def _process_tag(pid: int) -> str:
-    """``<pid>.<start ticks>.<pid namespace>``: one process of this machine's boot (a
-    reused pid has another start time; another pid namespace another meaning)."""
-    return f"{pid}.{procfs.start_ticks(pid)}.{_pid_namespace()}"
-
-
-def _pid_namespace() -> str:
-    try:
-        return "".join(c for c in str(Path("/proc/self/ns/pid").readlink()) if c.isdigit())
-    except OSError:
-        return "0"
+    """``<pid>.<start ticks>.<pid namespace's number>``: one process of this machine's
+    boot (a reused pid has another start time; another pid namespace another meaning)."""
+    namespace = "".join(c for c in procfs.pid_namespace() if c.isdigit())
+    return f"{pid}.{procfs.start_ticks(pid)}.{namespace}"
 
 
 def remove_left_behind(parent: Path) -> None:
-    """Remove the trial directories in ``parent`` that this user made and whose maker, a
-    process of this pid namespace, is gone; never raises (a leftover is only a
-    leftover). A directory of that name that is not this user's own (mode 0700) is left
-    alone: everything is reached through descriptors opened without following links."""
-    namespace = _pid_namespace()
+    """Remove the trial directories in ``parent`` whose maker, a process of this pid
+    namespace, is gone; never raises (a leftover is only a leftover). Each is opened and
+    emptied as a private directory (``opened``): one that is not this user's own, or is
+    a link, is left alone."""
+    namespace = _process_tag(os.getpid()).rpartition(".")[2]
     try:
-        parent_fd = os.open(parent, _DIR_FLAGS)
+        names = os.listdir(parent)  # noqa: PTH208 - names only; each is opened checked
     except OSError:
         return
-    try:
-        for name in os.listdir(parent_fd):  # noqa: PTH208 - through the descriptor
-            tag = name[len(TRIAL_DIR_PREFIX) :].rpartition("-")[0]  # mkdtemp adds no "-"
-            fields = tag.split(".")
-            if (
-                not name.startswith(TRIAL_DIR_PREFIX)
-                or len(fields) != 3
-                or not fields[0].isdigit()
-                or fields[2] != namespace
-                or _process_tag(int(fields[0])) == tag  # its maker lives
-            ):
-                continue
-            with contextlib.suppress(OSError):
-                _remove_own_dir(parent_fd, name)
-    finally:
-        os.close(parent_fd)
-
-
-def _remove_own_dir(parent_fd: int, name: str) -> None:
-    fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return
-        for entry in os.listdir(fd):  # noqa: PTH208 - through the descriptor
-            os.unlink(entry, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
+    for name in names:
+        if not name.startswith(TRIAL_DIR_PREFIX):
+            continue
+        tag = name[len(TRIAL_DIR_PREFIX) :].rpartition("-")[0]  # mkdtemp adds no "-"
+        pid, _, rest = tag.partition(".")
+        if not pid.isdigit() or rest.rpartition(".")[2] != namespace:
+            continue
+        if _process_tag(int(pid)) == tag:
+            continue  # its maker lives
+        with contextlib.suppress(OSError, AuthError):
+            with opened(parent / name, create=False) as folder:
+                for entry in os.listdir(folder.fd):  # noqa: PTH208 - through the descriptor
+                    folder.remove(entry)
+            (parent / name).rmdir()
