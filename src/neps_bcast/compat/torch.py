@@ -85,29 +85,41 @@ def gloo_allgather(
     pg.allgather([outputs], [tensor]).wait()  # type: ignore[attr-defined]  # missing in the stubs
 
 
+CHANNEL_TAG = 0
+"""The tag of every point-to-point message of ``gloo_allgather_through_root`` (its group
+carries nothing else, and each pair of ranks sees the steps in order)."""
+
+
 def gloo_allgather_through_root(
-    pg: dist.ProcessGroupGloo, outputs: list[torch.Tensor], tensor: torch.Tensor, rank: int
+    pg: dist.ProcessGroupGloo, joined: torch.Tensor, tensor: torch.Tensor, rank: int
 ) -> None:
-    """What an allgather gives every rank, as a gather to rank 0 and rank 0's broadcast
-    of all the parts: two collectives, each rank to rank 0 and back, against the ring's
-    world - 1 hops one after the other (on 2 cores, world 8, 1 KB frames: 5.2 ms against
-    11.2 ms from the first send to the last rank done; world 2: 0.65 ms against 0.50)."""
-    gather = dist.GatherOptions()
-    gather.rootRank = 0
-    broadcast = dist.BroadcastOptions()
-    broadcast.rootRank = 0
-    broadcast.rootTensor = 0
+    """What an allgather gives every rank, through rank 0: every other rank sends its
+    part to rank 0, which sends the joined parts (``joined``: world x ``tensor``'s size,
+    slot r rank r's) to each rank directly.
+
+    Point-to-point on the group, not its collectives: every rank is one hop from rank 0
+    and back (gloo's broadcast is a tree: at world 8 a part passed through two ranks
+    that had to be scheduled first), and the waiting thread is the caller's (a gloo
+    collective runs on the group's worker thread, one more wake-up per collective and
+    rank). Each wait is bounded by the group's timeout, and fails when the peer's
+    connection closes, as a collective's does."""
     size = tensor.numel()
+    world = joined.numel() // size
+    send, recv = pg.send, pg.recv  # type: ignore[attr-defined]  # missing in the stubs
     if rank == 0:
-        pg.gather([outputs], [tensor], gather).wait()  # type: ignore[attr-defined]
-        joined = torch.cat(outputs)
+        joined[:size].copy_(tensor)
+        receives = [
+            recv([joined[r * size : (r + 1) * size]], r, CHANNEL_TAG) for r in range(1, world)
+        ]
+        for work in receives:
+            work.wait()
+        sends = [send([joined], r, CHANNEL_TAG) for r in range(1, world)]
+        for work in sends:
+            work.wait()
     else:
-        pg.gather([], [tensor], gather).wait()  # type: ignore[attr-defined]
-        joined = torch.empty(size * len(outputs), dtype=tensor.dtype)
-    pg.broadcast([joined], broadcast).wait()  # type: ignore[attr-defined]
-    if rank != 0:
-        for output, part in zip(outputs, torch.split(joined, size), strict=True):
-            output.copy_(part)
+        receive = recv([joined], 0, CHANNEL_TAG)
+        send([tensor], 0, CHANNEL_TAG).wait()
+        receive.wait()
 
 
 def close_gloo_group(pg: dist.ProcessGroupGloo) -> None:

@@ -100,14 +100,15 @@ def indivisible() -> Iterator[None]:
     """A control step runs whole: a stop (SIGTERM, Ctrl-C) that lands between its
     collectives is raised when the step ends (or waits on, while the leader waits).
 
-    Why: a step is several gloo collectives (a gather to the leader and the leader's
-    broadcast, twice for a long message), and a Python signal handler runs between any
-    two of them (a blocking collective returns first: gloo does not check for signals).
-    A rank that left a step after its gather and before its broadcast left its peer in
-    that broadcast and itself in its next step's gather: both alive, both blocked until
-    the seven-day bound (the fault-point sweep found it: SIGTERM to the leader while its
-    follower was at the trial-end exchange). Deferring costs nothing in reaction time:
-    the handler cannot run before the blocking collective returns anyway.
+    Why: a step is several gloo operations (each follower's frame to the leader, then
+    the leader's frames to each follower, twice for a long message), and a Python signal
+    handler runs between any two of them (a blocking wait returns first: gloo does not
+    check for signals). A rank that left a step after its gather and before its broadcast
+    (the step's two halves then) left its peer in that broadcast and itself in its next
+    step's gather: both alive, both blocked until the seven-day bound (the fault-point
+    sweep found it: SIGTERM to the leader while its follower was at the trial-end
+    exchange). Deferring costs nothing in reaction time: the handler cannot run before
+    the blocking wait returns anyway.
     """
     _STATE.holding += 1
     try:

@@ -15,11 +15,13 @@ while its followers gathered a trial's reports hung every rank until the last-re
 timeout). One step is one allgather on the wire where it fits: a fixed-size first
 frame per rank (a length, then as much of the payload as fits); only a step in which
 some payload is larger takes a second allgather for the rest, and every rank knows it
-from the first frames. Each allgather is a gather to the leader and the leader's
-broadcast of every frame (``compat.torch.gloo_allgather_through_root``): every rank
-is one hop from the leader and back, where gloo's ring allgather passes each frame
-through world - 1 ranks in turn (at world 8 on 2 cores it took twice as long), and a
-rank that dies is seen at once by the leader, its peer in both collectives.
+from the first frames. Each allgather goes through the leader
+(``compat.torch.gloo_allgather_through_root``): every follower sends its frame to the
+leader, which sends all of them to each follower directly, so every rank is one hop
+from the leader and back, where gloo's ring allgather passes each frame through
+world - 1 ranks in turn (at world 8 on 2 cores it took twice as long) and gloo's
+broadcast passes it down a tree; and a rank that dies is seen at once by the leader,
+its peer in both directions.
 
 Waiting is bounded by the peers being alive, not by a clock: when a peer process dies
 its TCP connections close and a blocked receive fails within milliseconds, while a
@@ -73,16 +75,11 @@ class Channel(Protocol):
 
 
 def _frame(payload: bytes, size: int) -> torch.Tensor:
+    """This rank's part of a first frame: the payload's length, then as much as fits."""
+    frame = bytearray(size)
     head = _LENGTH.pack(len(payload)) + payload[: size - _LENGTH.size]
-    frame = torch.zeros(size, dtype=torch.uint8)
-    frame[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    return frame
-
-
-def _unframe(frame: torch.Tensor) -> tuple[int, bytes]:
-    raw = frame.numpy().tobytes()
-    (length,) = _LENGTH.unpack_from(raw)
-    return length, raw[_LENGTH.size : _LENGTH.size + length]
+    frame[: len(head)] = head
+    return torch.frombuffer(frame, dtype=torch.uint8)
 
 
 class GlooChannel:
@@ -119,28 +116,32 @@ class GlooChannel:
         pg = tc.new_gloo_group(prefixed("pg", base), group_rank, world_size, wait_timeout)
         return cls(pg, group_rank, world_size)
 
-    def _allgather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    def _allgather(self, tensor: torch.Tensor) -> bytes:
+        """Every rank's ``tensor`` (one size on every rank), joined in group-rank order."""
+        joined = torch.empty(tensor.numel() * self.world_size, dtype=torch.uint8)
         try:
-            tc.gloo_allgather_through_root(self._pg, outputs, tensor, self.group_rank)
+            tc.gloo_allgather_through_root(self._pg, joined, tensor, self.group_rank)
         except RuntimeError as exc:
             raise ChannelClosedError(str(exc)) from exc
+        return joined.numpy().tobytes()
 
     def allgather(self, payload: bytes) -> list[bytes]:
-        frames = [torch.empty(FRAME, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._allgather(frames, _frame(payload, FRAME))
-        parts = [_unframe(f) for f in frames]
+        frames = self._allgather(_frame(payload, FRAME))
+        parts = []
+        for r in range(self.world_size):
+            (length,) = _LENGTH.unpack_from(frames, r * FRAME)
+            start = r * FRAME + _LENGTH.size
+            parts.append((length, frames[start : start + min(length, FRAME - _LENGTH.size)]))
         longest_rest = max(length - len(first) for length, first in parts)
         if longest_rest <= 0:
             return [first for _, first in parts]
-        mine = torch.zeros(longest_rest, dtype=torch.uint8)
+        mine = bytearray(longest_rest)
         extra = payload[FRAME - _LENGTH.size :]
-        if extra:
-            mine[: len(extra)] = torch.frombuffer(bytearray(extra), dtype=torch.uint8)
-        tails = [torch.empty(longest_rest, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._allgather(tails, mine)
+        mine[: len(extra)] = extra
+        tails = self._allgather(torch.frombuffer(mine, dtype=torch.uint8))
         return [
-            first + tail.numpy().tobytes()[: length - len(first)]
-            for (length, first), tail in zip(parts, tails, strict=True)
+            first + tails[r * longest_rest : r * longest_rest + length - len(first)]
+            for r, (length, first) in enumerate(parts)
         ]
 
     def close(self) -> None:
