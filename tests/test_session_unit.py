@@ -693,6 +693,25 @@ def test_a_step_replayed_from_another_step_rank_or_generation_is_refused() -> No
             follower.next_message(channel, "t")
 
 
+def test_a_follower_acts_on_the_leaders_slot_and_the_leader_checks_every_slot() -> None:
+    """At a hand-over a follower reads only the leader's message (nothing in another
+    follower's slot is acted on); the leader authenticates every follower's."""
+    signer = Signer(SECRET)
+
+    def frame(message: Any, sender: int) -> bytes:
+        context = channel_context(KIND, sender=sender, seq=0, generation=0)
+        return signer.sign(context, encode(message, tag="t"))
+
+    trial = _trial_message(seq=1)
+    channel = Replaying()
+    channel.frames = [frame(trial, 0), frame(Ready(1), 1), frame(Ready(1), 1)]
+    assert Steps(1, signer, lambda: 0).next_message(channel, "t") == trial
+    with pytest.raises(AuthError, match="refused the value under 'channel/step'"):
+        Steps(0, signer, lambda: 0).hand_over(channel, trial, "t")
+    channel.frames = [frame(trial, 0), frame(Ready(1), 1), frame(Ready(2), 2)]
+    Steps(0, signer, lambda: 0).hand_over(channel, trial, "t")  # the positive control
+
+
 LOST_LEADER_EXIT = """
 import sys
 from neps_bcast import follower

@@ -61,21 +61,37 @@ class Steps:
 
     def take(self, channel: Channel, mine: Message, tag: str) -> list[Message]:
         """One step: ``mine`` in, every rank's message out, by group rank."""
+        raw = self._exchange(channel, mine, tag)
+        messages = [self._open(sender, r, tag) for sender, r in enumerate(raw)]
+        self._took(mine, messages[0])
+        return messages
+
+    def _take_leaders(self, channel: Channel, mine: Message, tag: str) -> Message:
+        """One step of which this follower needs only the leader's message: the others'
+        are neither checked nor read (the leader checks them). At world 8 on 2 cores,
+        reading all eight cost each follower ~0.1 ms of CPU at every hand-over, seven
+        followers on the path to the last one's start of the trial."""
+        leaders = self._open(0, self._exchange(channel, mine, tag)[0], tag)
+        self._took(mine, leaders)
+        return leaders
+
+    def _exchange(self, channel: Channel, mine: Message, tag: str) -> list[bytes]:
         signed = self.signer.sign(self._context(self.group_rank), encode(mine, tag=tag))
-        raw = channel.allgather(signed)
-        messages = [
-            decode(self.signer.open(self._context(sender), r), tag=tag)
-            for sender, r in enumerate(raw)
-        ]
+        return channel.allgather(signed)
+
+    def _open(self, sender: int, signed: bytes, tag: str) -> Message:
+        """Slot ``sender`` of this step, authenticated as that rank's, then decoded."""
+        return decode(self.signer.open(self._context(sender), signed), tag=tag)
+
+    def _took(self, mine: Message, leaders: Message) -> None:
+        """The step is done: count it, and note the leader's STOP or goodbye."""
         self.count += 1
-        leaders = messages[0]
         if isinstance(leaders, StopMessage) and self.leader_stop is None:
             self.leader_stop = leaders
         if isinstance(leaders, Goodbye) or isinstance(mine, Goodbye):
             self.said_goodbye = True
             if self.leader_stop is None:
                 self.leader_stop = StopMessage("the leader said goodbye")
-        return messages
 
     def _context(self, sender: int) -> Context:
         return channel_context(KIND, sender=sender, seq=self.count, generation=self.generation())
@@ -96,7 +112,7 @@ class Steps:
         """Follower: wait (blocked, no polling) for the leader's next message."""
         if self.leader_stop is not None:
             return self.leader_stop
-        leaders = self.take(channel, Ready(self.group_rank), tag)[0]
+        leaders = self._take_leaders(channel, Ready(self.group_rank), tag)
         if isinstance(leaders, TrialMessage | StopMessage):
             return leaders
         if self.leader_stop is not None:  # the leader's goodbye
