@@ -123,6 +123,7 @@ def test_the_heartbeat_renews_the_lease_until_the_trial_ends(tmp_path: Path) -> 
     leases = Leases(tmp_path, Settings(heartbeat_s=0.05))
     try:
         leases.take("7", tmp_path)
+        assert leases.written(30)
         first = read_lease(tmp_path)
         assert first is not None
         assert first.owner == Owner.me()
@@ -141,6 +142,32 @@ def test_the_heartbeat_renews_the_lease_until_the_trial_ends(tmp_path: Path) -> 
     finally:
         leases.close()
     assert not list(tmp_path.glob(f"{LEASE_FILE}.*.tmp"))
+
+
+def test_a_lease_is_written_off_the_takers_thread_and_never_after_its_trial_ended(
+    tmp_path: Path,
+) -> None:
+    """``take`` returns before the lease is on disk (the heartbeat thread writes it);
+    a trial dropped before that write never gets it, and the next trial's is written."""
+    leases = Leases(tmp_path, Settings(heartbeat_s=30))
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    try:
+        with leases._io:  # the write waits: as on a busy disk
+            assert leases.take("7", first) == 1
+            assert read_lease(first) is None
+            leases.drop()
+        assert leases.written(30)
+        time.sleep(0.1)
+        assert read_lease(first) is None
+        assert leases.take("8", second) == 1
+        assert leases.written(30)
+        written = read_lease(second)
+        assert written is not None
+        assert (written.trial_id, written.owner) == ("8", Owner.me())
+    finally:
+        leases.close()
 
 
 # -- real NePS roots, real workers -----------------------------------------------------
@@ -303,6 +330,7 @@ def test_a_renewal_never_writes_its_owner_back_over_a_takeover(tmp_path: Path) -
     other = dataclasses.replace(Owner.me(), host="elsewhere", pid=1)
     try:
         leases.take("7", tmp_path)
+        assert leases.written(30)
         with lease_lock(tmp_path):
             taken = read_lease(tmp_path)
             assert taken is not None
