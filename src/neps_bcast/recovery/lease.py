@@ -275,7 +275,11 @@ class Leases:
                 started,
                 lease.attempts if lease is not None else (),
             )
-        owner = lease.owner or Owner("unknown", "", "", 0, 0)
+        # A leader killed before its lease was written is still named, from NePS's
+        # record of the worker (the history then says whose attempt it was).
+        owner = (
+            lease.owner or Owner.from_worker_id(trial.worker_id) or Owner("unknown", "", "", 0, 0)
+        )
         attempt = Attempt(owner, lease.started, lease.heartbeat, reason)
         outcome = self._hand_back(book, trial.trial_id, trial.location, lease, attempt)
         self.log(logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome)
