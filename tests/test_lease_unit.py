@@ -170,6 +170,25 @@ def test_a_lease_is_written_off_the_takers_thread_and_never_after_its_trial_ende
         leases.close()
 
 
+def test_a_lease_that_could_not_be_written_is_written_at_the_next_heartbeat(
+    tmp_path: Path,
+) -> None:
+    """A failed first write is tried again every heartbeat period, as a failed renewal
+    is (else a leader elsewhere would take the running trial over after the grace)."""
+    leases = Leases(tmp_path, Settings(heartbeat_s=0.05))
+    trial_dir = tmp_path / "not yet"
+    try:
+        leases.take("7", trial_dir)  # the write fails: no such directory
+        assert not leases.written(0.2)  # four heartbeat periods, still failing
+        trial_dir.mkdir()
+        assert leases.written(30)
+        written = read_lease(trial_dir)
+        assert written is not None
+        assert (written.trial_id, written.owner) == ("7", Owner.me())
+    finally:
+        leases.close()
+
+
 # -- real NePS roots, real workers -----------------------------------------------------
 def test_a_killed_worker_s_trial_is_evaluated_again_by_the_next_run(tmp_path: Path) -> None:
     first = worker(tmp_path, trials=4, fault="kill", at="2")

@@ -165,12 +165,14 @@ class Leases:
                         return
                 write_lease(trial_dir, lease)
         except OSError as exc:
+            # Tried again every heartbeat period, as a failed renewal is: until it is
+            # written, a leader elsewhere takes the trial over after the grace period.
             self.log(logging.WARNING, "could not write the lease of %s: %s", trial_dir, exc)
-        finally:
-            with self._lock:
-                if self._unwritten is fresh:
-                    self._unwritten = None
-                    self._written.set()
+            return
+        with self._lock:
+            if self._unwritten is fresh:
+                self._unwritten = None
+                self._written.set()
 
     def _renew(self) -> None:
         with self._lock:
