@@ -417,7 +417,7 @@ Definitions:
   trial function (CLOCK_REALTIME, same machine). Plain-DDP workload (no Lightning: ranks started
   like torchrun, trivial trial function, random search, 1 KB of trial arguments), first trial excluded. It
   includes NePS writing the trial, so it is a lower bound neither system can beat; the
-  *channel alone* rows measure one control step of neps_bcast's channel (an allgather) between real processes without NePS.
+  *channel alone* rows measure one control step of neps_bcast's channel (an allgather: each follower's frame to the leader, then every frame from the leader to each follower) between real processes without NePS.
 - *control overhead*: leader's trial function returned -> last follower entered the next trial
   (NePS bookkeeping + sampling + handoff; for neps_bcast also the end-of-trial exchanges).
 - *control steps alone*: the part of the control overhead that is the system's, not NePS's
