@@ -192,17 +192,21 @@ class TestDdpSpawnKeepsWorking(CleanLaunch):
 
     @pytest.fixture(scope="class")
     def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        command = python(LIGHTNING, "--strategy", "ddp_spawn", "--trials", 3)
-        return run(command, tmp_path_factory.mktemp("spawn"))
+        # Two trials: the second shows the search goes on after a spawned fit. Every fit
+        # starts two fresh interpreters that import torch and Lightning (~5 CPU-seconds
+        # each), the most start-up work of any launch here: at load 25-29 on 2 cores
+        # three trials overran the default 240 s deadline in trial 3, still training.
+        command = python(LIGHTNING, "--strategy", "ddp_spawn", "--trials", 2)
+        return run(command, tmp_path_factory.mktemp("spawn"), timeout=420.0)
 
     def test_only_the_script_itself_evaluated_the_trials(self, launch: Result) -> None:
         trials = launch.of("trial")
-        assert len(trials) == 3 and {e["rank"] for e in trials} == {0}
+        assert len(trials) == 2 and {e["rank"] for e in trials} == {0}
         assert len({e["pid"] for e in trials}) == 1
 
-    def test_neps_recorded_three_successes(self, launch: Result) -> None:
+    def test_neps_recorded_two_successes(self, launch: Result) -> None:
         recorded = neps_trials(launch.root)
-        assert len(recorded) == 3
+        assert len(recorded) == 2
         assert all(t.report.reported_as == "success" for t in recorded.values())
 
     def test_the_spawned_workers_trained_every_trial_on_both_ranks(self, launch: Result) -> None:
