@@ -194,10 +194,11 @@ def test_a_killed_worker_s_trial_is_evaluated_again_by_the_next_run(tmp_path: Pa
     first = worker(tmp_path, trials=4, fault="kill", at="2")
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:]
     assert states(tmp_path) == {"1": "success", "2": "evaluating"}
+    killed_pid = next(e["pid"] for e in evaluations(tmp_path) if e["trial_id"] == "2")
+    # The heartbeat thread writes the lease beside the hand-over: the kill inside the
+    # trial may come before it (seen under load), and the lease then names nobody yet.
     lease = read_lease(tmp_path / "root" / "configs" / "config_2")
-    assert lease is not None
-    assert lease.owner is not None
-    killed_pid = lease.owner.pid
+    assert lease is None or (lease.owner is not None and lease.owner.pid == killed_pid)
 
     again = worker(tmp_path, trials=4)
     assert again.returncode == 0, again.stdout[-3000:]
@@ -261,8 +262,7 @@ def test_a_user_exception_is_crashed_and_never_retried(tmp_path: Path) -> None:
     assert states(tmp_path)["2"] == "crashed"
     assert [e["trial_id"] for e in evaluations(tmp_path)].count("2") == 1
     lease = read_lease(tmp_path / "root" / "configs" / "config_2")
-    assert lease is not None
-    assert lease.attempts == ()
+    assert lease is None or lease.attempts == ()  # None: it raised before the lease's write
 
 
 RECOVER = """
@@ -405,7 +405,9 @@ def test_a_leader_killed_before_its_lease_is_found_through_neps_s_worker_record(
 ) -> None:
     assert worker(tmp_path, trials=3, fault="kill", at="2").returncode == -signal.SIGKILL
     trial_dir = tmp_path / "root" / "configs" / "config_2"
-    (trial_dir / LEASE_FILE).unlink()  # as if killed between NePS's "evaluating" and the lease
+    # As if killed between NePS's "evaluating" and the lease (the heartbeat thread may
+    # not have written it yet anyway: the kill is inside the trial).
+    (trial_dir / LEASE_FILE).unlink(missing_ok=True)
     worker_id = neps_trials(tmp_path / "root")["2"].metadata.evaluating_worker_id
     assert Owner.from_worker_id(worker_id) is not None, worker_id
     leases = Leases(tmp_path / "root", Settings(heartbeat_s=3600.0, lease_grace_s=4 * 3600.0))
