@@ -121,6 +121,49 @@ def test_a_usr2_handler_installed_before_that_exits_is_a_stop() -> None:
     assert info.value.how == "SystemExit(-1) in the SIGUSR2 handler"
 
 
+def test_a_sigterm_while_the_users_usr1_handler_requeues_waits_for_its_exit() -> None:
+    """``scontrol requeue`` inside the user's USR1 handler makes SLURM SIGTERM the job at
+    once, often before the handler's ``sys.exit(0)``: the user's SIGTERM handler runs
+    (as it would without us), the USR1 handler runs to its end, and its exit is the stop
+    (CI's real-SLURM run: the SIGTERM raised inside the handler, which never exited)."""
+    ran: list[str] = []
+    signal.signal(signal.SIGTERM, lambda _s, _f: ran.append("TERM handler"))
+
+    def requeue_and_exit(_s: int, _f: Any) -> None:
+        ran.append("USR1 handler")
+        send(signal.SIGTERM)  # scontrol requeue: SLURM's SIGTERM lands in here
+        ran.append("requeued")
+        sys.exit(0)
+
+    signal.signal(signal.SIGUSR1, requeue_and_exit)
+    with stop_signals():
+        with pytest.raises(Terminated) as info:
+            send(signal.SIGUSR1)
+        send(signal.SIGTERM)  # SLURM's SIGTERM after the exit: ignored, as any second one
+        with signals.indivisible():  # nothing held is raised again at a later step
+            pass
+    assert ran == ["USR1 handler", "TERM handler", "requeued"]
+    assert info.value.code == 0
+    assert info.value.how == "SystemExit(0) in the SIGUSR1 handler"
+
+
+def test_a_sigterm_while_a_usr1_handler_that_returns_runs_is_raised_after_it() -> None:
+    """Lightning's auto-requeue handler saves, runs ``scontrol requeue`` and returns,
+    leaving the stop to SLURM's SIGTERM: raised once the handler is done."""
+    ran: list[str] = []
+
+    def save_and_requeue(_s: int, _f: Any) -> None:
+        ran.append("saving")
+        send(signal.SIGTERM)
+        ran.append("requeued")
+
+    signal.signal(signal.SIGUSR1, save_and_requeue)
+    with stop_signals(), pytest.raises(Terminated) as info:
+        send(signal.SIGUSR1)
+    assert ran == ["saving", "requeued"]
+    assert (info.value.code, info.value.how) == (143, "SIGTERM")
+
+
 def test_a_usr1_handler_installed_inside_the_trial_that_exits_is_a_stop() -> None:
     """Installed after run started (inside the function): not chained, so told from
     the traceback, which passes through the handler."""

@@ -159,7 +159,11 @@ def test_a_users_own_usr1_handler_requeues_and_the_trial_resumes(
         cluster, tmp_path, "requeue_ddp.py", "REQUEUE_RECORD", "REQUEUE_SLOW"
     )
     events = job.ended()
-    assert sorted(e["rank"] for e in of(events, "handler")) == [0, 1], job.report()
+    usr1 = [e["rank"] for e in of(events, "handler") if e["signal"] == "USR1"]
+    assert sorted(usr1) == [0, 1], job.report()
+    # SLURM's SIGTERM for the requeue can land while rank 0's handler waits for scontrol:
+    # the user's SIGTERM handler then runs inside it (as it would without neps_bcast),
+    # and the USR1 handler still runs to its exit (checked by the exit codes below).
     assert {e["rank"]: e["code"] for e in of(events, "exit")} == {0: 0, 1: 0}, job.report()
     saved_step = torch.load(root / "configs" / "config_2" / "checkpoint.pt")["step"]
     assert saved_step >= 3, job.report()

@@ -16,7 +16,9 @@ pending and the requeued job evaluates it first. Inside ``neps_bcast.run``:
   trials, the stop waits for our next step (``wait_with_sigterm``).
 - A handler of SIGUSR1 or SIGUSR2 installed before ``run`` is chained the same way (so
   its signal is noted); none is installed where there is none (Lightning installs its
-  SLURM auto-requeue handler only where no USR1 handler exists).
+  SLURM auto-requeue handler only where no USR1 handler exists). A chained handler runs
+  whole: the SIGTERM that its own ``scontrol requeue`` brings, landing inside it, is held
+  until it ends, and its ``sys.exit`` (if it exits) is the stop.
 - A ``SystemExit`` that ends a trial after such a signal arrived in this process, or
   that was raised inside the handler of one (installed whenever, by whomever), is a
   stop by the scheduler: it becomes ``Terminated`` with the exit code the user's code
@@ -135,6 +137,7 @@ def _stop(stop: Terminated) -> None:
     if _STATE.waiting or _STATE.holding:
         _STATE.pending = stop
         return
+    _STATE.pending = None  # one held while a handler ran is this same stop
     raise stop
 
 
@@ -203,18 +206,30 @@ def _chained(signum: int, previous: Any) -> Callable[[int, Any], None]:
         _STATE.received.append(received)
         if received == signal.SIGTERM and _STATE.stopping:
             return  # a second SIGTERM must not interrupt the recording of the first
+        # The handler before ours runs whole: a stop signalled while it runs (the SIGTERM
+        # of the `scontrol requeue` it is waiting for) is held until it ends, as inside
+        # a control step, instead of being raised in the middle of the user's handler.
+        _STATE.holding += 1
         try:
             if callable(previous):
                 previous(received, frame)
         except SystemExit as exc:
+            _STATE.holding -= 1
             if isinstance(exc, Terminated):
                 raise
+            _STATE.pending = None  # the handler's own exit is the stop it chose
             stop = Terminated(exc.code, f"{_describe(exc)} in the {name} handler")
             stop.__cause__ = exc
             _stop(stop)
             return
+        except BaseException:
+            _STATE.holding -= 1
+            raise
+        _STATE.holding -= 1
         if received == signal.SIGTERM:
             _stop(Terminated(128 + received))
+        elif not _STATE.holding and not _STATE.waiting:
+            _raise_held()  # a stop that came while the handler ran
 
     handler.neps_bcast_chained = previous  # type: ignore[attr-defined]  # for tests and debugging
     return handler
