@@ -21,6 +21,7 @@ import pytest
 
 from harness import base_env, neps_trials
 from neps_bcast.compat import procfs
+from neps_bcast.compat.neps import lock_kind
 from neps_bcast.config import Settings
 from neps_bcast.errors import SettingsError
 from neps_bcast.recovery.lease import Leases
@@ -120,6 +121,9 @@ def test_a_bad_retry_limit_names_the_variable(raw: str) -> None:
 
 
 def test_the_heartbeat_renews_the_lease_until_the_trial_ends(tmp_path: Path) -> None:
+    # A renewal locks as NePS does, which imports NePS: a leader has it imported, this
+    # test alone does not (at load 17 the first import took over 30 s).
+    lock_kind()
     leases = Leases(tmp_path, Settings(heartbeat_s=0.05))
     try:
         leases.take("7", tmp_path)

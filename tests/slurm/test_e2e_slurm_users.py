@@ -212,10 +212,12 @@ class Submitter:
             self.proc = subprocess.Popen(
                 cmd, cwd=self.folder, env=full, stdout=out, stderr=subprocess.STDOUT
             )
+        # The submitter imports submitit, NePS and torch before it submits: 60 s was
+        # overrun at load 20 on 2 cores (both submitit tests, in one suite beside two).
         job_id = poll(
             "submitit's job id",
             lambda: re.search(r"submitted job (\d+)", self.out.read_text()),
-            60,
+            240,
             self.out.read_text,
         ).group(1)
         self.job = Job.__new__(Job)  # the job submitit submitted, for Job's helpers
