@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.launcher import groups, plan
+from neps_bcast.launcher import groups, plan, pool
 
 USAGE_EXAMPLE = "neps-bcast launch --groups 4 --nproc-per-group 2 train.py --trials 40"
 
@@ -48,6 +48,15 @@ def parser() -> argparse.ArgumentParser:
         "--devices",
         default=None,
         help="GPUs to split among the groups, e.g. 0,1,2,3 or 0-3 (default: every visible GPU)",
+    )
+    launch.add_argument(
+        "--pool",
+        type=int,
+        default=None,
+        metavar="D",
+        help="right-sized trials: D devices (GPUs, or D CPU ranks), each trial on as many"
+        " as neps_bcast.run's ranks_per_trial(config) says, trials side by side where"
+        " they fit (instead of --groups/--nproc-per-group)",
     )
     launch.add_argument(
         "--max-restarts",
@@ -113,14 +122,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "pass e.g. --status-interval 5 --stop-timeout 45.",
                 )
             )
+        settings = groups.Settings(
+            status_interval_s=args.status_interval, stop_timeout_s=args.stop_timeout
+        )
+        if args.pool is not None:
+            return pool.run(pool_plan(args, request), settings, sys.stdout)
         the_plan = plan.plan(request, plan.visible_devices(os.environ, cuda_device_count()))
     except LaunchError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
-    settings = groups.Settings(
-        status_interval_s=args.status_interval, stop_timeout_s=args.stop_timeout
-    )
     return groups.run(the_plan, settings, sys.stdout)
+
+
+def pool_plan(args: argparse.Namespace, request: plan.LaunchRequest) -> pool.PoolPlan:
+    """``--pool D``: checked before anything starts (``LaunchError`` names the fix)."""
+    if args.groups is not None or args.nproc_per_group is not None or args.max_restarts:
+        raise LaunchError(
+            format_message(
+                plan.TAG,
+                "--pool cannot be combined with --groups, --nproc-per-group or"
+                " --max-restarts: a pool sizes each trial by itself.",
+                "pass only --pool D (and ranks_per_trial to neps_bcast.run), or only"
+                " --groups/--nproc-per-group.",
+            )
+        )
+    pool.check(args.pool)
+    # The same checks as a group of D ranks: the script, --devices, one device each.
+    one_group = plan.plan(
+        plan.LaunchRequest(
+            script=request.script,
+            script_args=request.script_args,
+            groups=1,
+            nproc_per_group=args.pool,
+            devices=request.devices,
+            log_dir=request.log_dir,
+        ),
+        plan.visible_devices(os.environ, cuda_device_count()),
+    )
+    devices = one_group.groups[0].devices
+    return pool.PoolPlan(
+        size=args.pool,
+        devices=devices,
+        script=request.script,
+        script_args=request.script_args,
+        log_dir=request.log_dir / "pool",
+    )
 
 
 def console_main() -> None:

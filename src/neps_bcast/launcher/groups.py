@@ -128,6 +128,14 @@ class Signals:
     def _handle(self, signum: int, _frame: object) -> None:
         self.received.append(signum)
 
+    def fileno(self) -> int:
+        """The pipe's read end, readable once a signal (or a child's exit) arrived."""
+        return self._read
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._read, 4096)
+
     def wait(self, seconds: float) -> None:
         """Return after ``seconds``, or as soon as a signal (or a child's exit) arrives."""
         ready, _, _ = select.select([self._read], [], [], max(seconds, 0.0))

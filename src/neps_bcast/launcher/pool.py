@@ -1,0 +1,485 @@
+"""``neps-bcast launch --pool D``: right-sized trials packed onto one node's D devices.
+
+The launcher starts D warm *ranks*, one per device for life (rank i uses device i), and
+D *agents*, each one NePS worker without a device: it samples a trial, asks for as many
+ranks as ``ranks_per_trial`` says, and hands the trial to whichever ranks it is given.
+Between the two sits this module: a placement (``placement.Placement``: FIFO with
+backfilling and a drain) and a relay on a Unix socket (``wire``). For each trial the
+chosen ranks form a DDP group of their own, as if torchrun had just started them (its
+variables, a store the agent serves on a port the OS picked), run the user's function,
+and go back to waiting; the trial's rank 0 returns the outcome to the agent.
+
+Why warm ranks and agents (docs/architecture.md, "Right-sized trials"): a fresh rank
+costs ~7 s of CPU (imports) per trial, a warm one a few ms to join a new group; and a
+NePS worker that is not itself a rank can start its trial on any free ranks.
+
+What the launcher does besides: a rank whose trial did not end cleanly (a failure, a
+lost peer, an interrupt) is told to exit and a fresh one is started for its device; a
+rank that dies is replaced the same way (its trial's agent is told); when every agent
+has finished, the ranks are told to exit. SIGTERM/Ctrl-C go to every process, and
+whatever is left after ``--stop-timeout`` is SIGKILLed (found by the launch id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from neps_bcast.compat import procfs
+from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.launcher import status, wire
+from neps_bcast.launcher.groups import Settings, Signals, _clean_up, _die_with_parent
+from neps_bcast.launcher.placement import Placement
+from neps_bcast.launcher.plan import ENV_LAUNCH_ID, SLURM_TASK_VARIABLES, TAG
+
+ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
+"""GPU pools: the ``CUDA_VISIBLE_DEVICES`` entries of the pool, in device order."""
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    size: int
+    """D: devices, warm ranks and agents."""
+    devices: tuple[str, ...] | None
+    """GPU entries (``CUDA_VISIBLE_DEVICES`` of every process); None on CPU."""
+    script: Path
+    script_args: tuple[str, ...]
+    log_dir: Path
+
+
+@dataclass
+class Member:
+    """One process of the pool: an agent or a rank, and its connection once it proved
+    the pool's key."""
+
+    role: str
+    index: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    conn: wire.Conn | None = None
+    order: str | None = None
+    """A rank: the order it is in (from the order until it is free again)."""
+    retiring: bool = False
+    """Told to exit (recycled, or the search is over)."""
+    reaped: bool = False
+    """Its exit was handled."""
+
+
+@dataclass
+class Order:
+    """One trial on its way: asked by an agent, placed, run, released."""
+
+    key: str
+    agent: int
+    trial: str
+    size: int
+    port: int
+    payload: str
+    ranks: tuple[int, ...] = ()
+    members: list[Member] = field(default_factory=list)
+    """The rank processes it was placed on (a device's process may be replaced since)."""
+    free: set[int] = field(default_factory=set)
+    answered: bool = False
+    clean: bool = True
+    asked_at: float = 0.0
+
+
+class Pool:
+    """One pool launch: its processes, its placement and its relay."""
+
+    def __init__(self, plan: PoolPlan, settings: Settings, out: IO[str]) -> None:
+        self.plan = plan
+        self.settings = settings
+        self.display = status.Display(out, settings.status_interval_s)
+        self.launch_id = uuid.uuid4().hex
+        self.key = wire.new_key()
+        self.signals = Signals()
+        self.placement = Placement(plan.size)
+        for device in range(plan.size):
+            self.placement.set_available(device, False)  # until its rank says hello
+        self.agents: dict[int, Member] = {}
+        self.ranks: dict[int, Member] = {}
+        self.orders: dict[str, Order] = {}
+        self.stop_deadline: float | None = None
+        self.killed = False
+        self.done = 0
+        self.failed_agents: list[tuple[int, int]] = []
+        self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
+        self.path = str(self.folder / "pool.sock")
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+
+    # -- processes -------------------------------------------------------------
+    def _environment(self, role: str, index: int) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in SLURM_TASK_VARIABLES}
+        env.update(
+            {
+                ENV_LAUNCH_ID: self.launch_id,
+                wire.ENV_POOL: self.path,
+                wire.ENV_POOL_ROLE: role,
+                wire.ENV_POOL_INDEX: str(index),
+                wire.ENV_POOL_SIZE: str(self.plan.size),
+                wire.ENV_POOL_KEY: self.key,
+            }
+        )
+        if self.plan.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.plan.devices)
+            env[ENV_POOL_DEVICES] = ",".join(self.plan.devices)
+        return env
+
+    def _start(self, role: str, index: int) -> Member:
+        log = self.plan.log_dir / f"{role}{index}.log"
+        with log.open("ab") as out:
+            out.write(
+                f"===== neps-bcast launch --pool: {role} {index} at"
+                f" {time.strftime('%Y-%m-%d %H:%M:%S')} =====\n".encode()
+            )
+            out.flush()
+            proc = subprocess.Popen(
+                [sys.executable, "-u", str(self.plan.script), *self.plan.script_args],
+                env=self._environment(role, index),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - the launcher has no threads
+            )
+        member = Member(role, index, proc, log)
+        (self.agents if role == "agent" else self.ranks)[index] = member
+        return member
+
+    # -- the loop ----------------------------------------------------------------
+    def run(self) -> int:
+        self.plan.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in [*self.plan.log_dir.glob("agent*.log"), *self.plan.log_dir.glob("rank*.log")]:
+            old.unlink()
+        self.server.bind(self.path)
+        self.server.listen(4 * self.plan.size + 8)
+        where = f"devices {','.join(self.plan.devices)}" if self.plan.devices is not None else "CPU"
+        self.display.say(
+            f"pool of {self.plan.size} ranks on {where} and {self.plan.size} agents;"
+            f" logs {self.plan.log_dir}/"
+        )
+        try:
+            with self.signals.installed():
+                for index in range(self.plan.size):
+                    self._start("rank", index)
+                    self._start("agent", index)
+                while self._step(time.monotonic()):
+                    self._wait(0.5)
+                left = _clean_up(self.launch_id, self.settings)
+                if left:
+                    self.display.say(f"SIGKILLed {len(left)} process(es) left running: {left}.")
+        finally:
+            self.server.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+        return self._exit_status()
+
+    def _wait(self, seconds: float) -> None:
+        conns = [m.conn for m in self._members() if m.conn is not None]
+        readable: list[Any] = [self.server, self.signals, *conns]
+        if any(c.pending() for c in conns):
+            seconds = 0.0
+        try:
+            ready, _, _ = select.select(readable, [], [], seconds)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            return
+        for item in ready:
+            if item is self.server:
+                self._accept()
+            elif item is self.signals:
+                self.signals.drain()
+        for member in self._members():
+            if member.conn is not None and (member.conn in ready or member.conn.pending()):
+                self._read(member)
+
+    def _members(self) -> list[Member]:
+        return [*self.agents.values(), *self.ranks.values()]
+
+    def _accept(self) -> None:
+        sock, _ = self.server.accept()
+        conn = wire.Conn(sock)
+        try:
+            hello = wire.accept(conn, self.key)
+        except (wire.WireError, TimeoutError, OSError) as exc:
+            self.display.say(f"refused a connection to the pool's socket: {exc}")
+            conn.close()
+            return
+        role, index = hello["role"], hello["index"]
+        member = (self.agents if role == "agent" else self.ranks).get(index)
+        if member is None or member.proc.pid != hello.get("pid") or member.conn is not None:
+            conn.send({"op": "refused", "why": "not a process this launcher started"})
+            conn.close()
+            return
+        member.conn = conn
+        if role == "rank" and self.stop_deadline is None:
+            self.placement.set_available(index, True)
+
+    def _read(self, member: Member) -> None:
+        assert member.conn is not None
+        try:
+            records = member.conn.feed()
+        except wire.WireError:
+            member.conn.close()
+            member.conn = None
+            return  # its exit is handled in _step, with its exit code
+        for record in records:
+            try:
+                self._handle(member, record)
+            except (KeyError, TypeError, ValueError) as exc:
+                self.display.say(f"{member.role} {member.index} sent a bad record: {exc}")
+
+    def _handle(self, member: Member, record: dict[str, Any]) -> None:
+        op = record["op"]
+        if member.role == "agent" and op == "ask":
+            key = str(record["order"])
+            order = Order(
+                key,
+                member.index,
+                str(record["trial"]),
+                int(record["size"]),
+                int(record["port"]),
+                str(record["payload"]),
+                asked_at=time.monotonic(),
+            )
+            try:
+                self.placement.ask(key, order.size, time.monotonic())
+            except ValueError as exc:
+                self._tell(member, {"op": "outcome", "order": key, "refused": str(exc)})
+                return
+            self.orders[key] = order
+        elif member.role == "rank" and op == "outcome":
+            ended = self.orders.get(str(record["order"]))
+            if ended is None or member.index != ended.ranks[0] or ended.answered:
+                return
+            ended.answered = True
+            ended.clean = ended.clean and bool(record.get("clean"))
+            agent = self.agents.get(ended.agent)
+            if agent is not None:
+                self._tell(agent, {**record, "op": "outcome"})
+        elif member.role == "rank" and op == "free":
+            freed = self.orders.get(str(record["order"]))
+            member.order = None
+            if freed is None:
+                return
+            freed.clean = freed.clean and bool(record.get("clean"))
+            freed.free.add(member.index)
+            self._maybe_release(freed)
+
+    def _tell(self, member: Member, record: dict[str, Any]) -> None:
+        if member.conn is None:
+            return
+        try:
+            member.conn.send(record)
+        except wire.WireError:
+            member.conn.close()
+            member.conn = None
+
+    def _maybe_release(self, order: Order) -> None:
+        if not order.free.issuperset(order.ranks):
+            return
+        self.placement.release(order.key, time.monotonic())
+        self.orders.pop(order.key, None)
+        self.done += 1
+        if not order.answered:
+            agent = self.agents.get(order.agent)
+            if agent is not None:
+                self._tell(
+                    agent,
+                    {
+                        "op": "outcome",
+                        "order": order.key,
+                        "lost": f"the ranks of trial {order.trial} left it without an outcome",
+                    },
+                )
+        agent = self.agents.get(order.agent)
+        if agent is not None:
+            self._tell(agent, {"op": "released", "order": order.key})
+        if not order.clean:
+            for rank in order.members:
+                if rank.proc.poll() is None and self.ranks.get(rank.index) is rank:
+                    rank.retiring = True
+                    self.placement.set_available(rank.index, False)
+                    self._tell(rank, {"op": "exit", "why": "recycled after an unclean trial"})
+
+    def _place(self, now: float) -> None:
+        if self.stop_deadline is not None:
+            return
+        for start in self.placement.place(now):
+            order = self.orders[start.key]
+            order.ranks = start.devices
+            for group_rank, device in enumerate(start.devices):
+                rank = self.ranks[device]
+                rank.order = order.key
+                order.members.append(rank)
+                self._tell(
+                    rank,
+                    {
+                        "op": "order",
+                        "order": order.key,
+                        "trial": order.trial,
+                        "rank": group_rank,
+                        "world": order.size,
+                        "port": order.port,
+                        "devices": list(start.devices),
+                        "payload": order.payload if group_rank == 0 else None,
+                    },
+                )
+            agent = self.agents.get(order.agent)
+            if agent is not None:
+                self._tell(
+                    agent, {"op": "placed", "order": order.key, "devices": list(start.devices)}
+                )
+
+    def _step(self, now: float) -> bool:
+        """One look at everything; False once every process has exited."""
+        if self.signals.received and self.stop_deadline is None:
+            self._stop(now)
+        if (
+            self.stop_deadline is not None
+            and not self.killed
+            and (now >= self.stop_deadline or len(self.signals.received) > 1)
+        ):
+            self.display.say("pool still running: SIGKILL to every process of the launch.")
+            for member in self._members():
+                if member.proc.poll() is None:
+                    procfs.kill(member.proc.pid)
+            self.killed = True
+        self._reap_agents()
+        self._reap_ranks(now)
+        self._place(now)
+        agents_left = any(a.proc.poll() is None for a in self.agents.values())
+        if not agents_left:
+            for rank in self.ranks.values():
+                if rank.proc.poll() is None and not rank.retiring:
+                    rank.retiring = True
+                    self._tell(rank, {"op": "exit", "why": "the search is over"})
+        running = any(m.proc.poll() is None for m in self._members())
+        self.display.show([self._status()], self._status(), now, force=not running)
+        return running
+
+    def _reap_agents(self) -> None:
+        for agent in self.agents.values():
+            code = agent.proc.poll()
+            if code is None or agent.reaped:
+                continue
+            agent.reaped = True
+            if agent.conn is not None:
+                agent.conn.close()
+                agent.conn = None
+            for order in [o for o in self.orders.values() if o.agent == agent.index]:
+                if not order.ranks:  # still waiting: withdrawn
+                    self.placement.cancel(order.key)
+                    self.orders.pop(order.key, None)
+            if code != 0:
+                self.failed_agents.append((agent.index, code))
+                if self.stop_deadline is None:
+                    self.display.say(
+                        f"agent {agent.index} failed (exit {code}); the others go on."
+                        f" The end of {agent.log}:\n{status.tail(agent.log, 12)}"
+                    )
+
+    def _reap_ranks(self, now: float) -> None:
+        for index, rank in list(self.ranks.items()):
+            code = rank.proc.poll()
+            if code is None or rank.reaped:
+                continue
+            rank.reaped = True
+            if rank.conn is not None:
+                self._read(rank)  # its last words (an outcome) first
+                if rank.conn is not None:
+                    rank.conn.close()
+                    rank.conn = None
+            self.placement.set_available(index, False)
+            order = self.orders.get(rank.order) if rank.order is not None else None
+            if order is not None:
+                order.clean = False
+                if not order.answered and order.ranks and order.ranks[0] == index:
+                    order.answered = True
+                    agent = self.agents.get(order.agent)
+                    if agent is not None:
+                        self._tell(
+                            agent,
+                            {
+                                "op": "outcome",
+                                "order": order.key,
+                                "lost": f"rank 0 of trial {order.trial} (device {index},"
+                                f" pid {rank.proc.pid}) {_exit_text(code)}",
+                            },
+                        )
+                order.free.add(index)
+                self._maybe_release(order)
+            over = not any(a.proc.poll() is None for a in self.agents.values())
+            if self.stop_deadline is None and not over:
+                if not rank.retiring:
+                    self.display.say(
+                        f"rank {index} {_exit_text(code)}: a fresh one takes its device."
+                    )
+                self._start("rank", index)
+
+    def _status(self) -> str:
+        running = ", ".join(
+            f"trial {o.trial} on {','.join(map(str, o.ranks))}"
+            for o in self.orders.values()
+            if o.ranks
+        )
+        waiting = sum(1 for o in self.orders.values() if not o.ranks)
+        return (
+            f"pool: {len(self.placement.free)} of {self.plan.size} devices free;"
+            f" running: {running or 'nothing'}; {waiting} waiting; {self.done} done"
+        )
+
+    def _stop(self, now: float) -> None:
+        name = signal.Signals(self.signals.received[0]).name
+        self.display.say(
+            f"{name} received: stopping every agent and rank (SIGTERM; SIGKILL after"
+            f" {self.settings.stop_timeout_s:.0f} s; again to kill at once)."
+        )
+        for member in self._members():
+            if member.proc.poll() is None:
+                procfs.kill(member.proc.pid, signal.SIGTERM)
+        self.stop_deadline = now + self.settings.stop_timeout_s
+
+    def _exit_status(self) -> int:
+        if self.signals.received:
+            return 128 + self.signals.received[0]
+        if not self.failed_agents:
+            return 0
+        index, code = self.failed_agents[0]
+        self.display.say(f"agent {index} failed first (exit {code}); see {self.plan.log_dir}/.")
+        return code if code > 0 else 1
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def check(size: int) -> None:
+    """Refuse a pool that cannot run, before anything starts (devices are checked as
+    for one group of ``size`` ranks, ``plan.plan``)."""
+    if size < 1:
+        raise LaunchError(
+            format_message(
+                TAG, f"--pool {size}: a pool needs at least one device.", "pass --pool 1 or more."
+            )
+        )
+
+
+def run(plan: PoolPlan, settings: Settings, out: IO[str]) -> int:
+    """Run the pool to the end of the search; the launch's exit status (0: every agent
+    finished; 128 + signum: stopped by that signal; else the first failed agent's)."""
+    return Pool(plan, settings, out).run()
