@@ -282,3 +282,30 @@ def test_lock_kind_is_what_neps_run_locks_with() -> None:
         assert portalocker_lock_module.LOCKER is fcntl.lockf
     finally:
         portalocker_lock_module.LOCKER = saved
+
+
+def test_a_base_exception_out_of_an_evaluation_leaves_the_trial_set_until_forgotten(
+    tmp_path: Path,
+) -> None:
+    """A pool's agent leaves ``neps.run`` with a ``BaseException`` after putting a trial
+    back, and enters it again: NePS keeps the trial as "running in this process" (its
+    ``_set_global_trial`` resets it only on a normal exit), and refuses the next one
+    until ``forget_current_trial``."""
+
+    class Leave(BaseException):
+        pass
+
+    def leaves(lr: float, hidden: int) -> float:
+        raise Leave
+
+    def returns(lr: float, hidden: int) -> float:
+        return lr
+
+    options: dict[str, Any] = {"root_directory": tmp_path / "root", "optimizer": "random_search"}
+    with pytest.raises(Leave):
+        neps.run(leaves, Space(), total_evaluations_to_spend=3, **options)
+    with pytest.raises(neps.exceptions.NePSError, match="already set to run in this process"):
+        neps.run(returns, Space(), total_evaluations_to_spend=3, **options)
+    neps_compat.forget_current_trial()
+    neps.run(returns, Space(), total_evaluations_to_spend=3, **options)
+    assert "success" in {t.metadata.state.value for t in recorded(tmp_path / "root").values()}

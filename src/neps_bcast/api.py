@@ -11,31 +11,43 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import leader
+from neps_bcast import leader, pool_agent, pool_rank
 from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import NepsBcastError, format_message
 from neps_bcast.follower import run_follower
+from neps_bcast.launcher import wire
 from neps_bcast.log import role_tag
 from neps_bcast.runtime import Runtime, active
-from neps_bcast.startup import external
 from neps_bcast.startup.launch import Launch, detect
 from neps_bcast.startup.rendezvous import fingerprint
 from neps_bcast.transport.auth import Signer, new_nonce, new_secret, secret_from_env
 
 
 def run(
-    evaluate_pipeline: Callable[..., Any] | str, pipeline_space: Any = None, **kwargs: Any
+    evaluate_pipeline: Callable[..., Any] | str,
+    pipeline_space: Any = None,
+    *,
+    ranks_per_trial: Callable[[dict[str, Any]], int] | None = None,
+    **kwargs: Any,
 ) -> None:
     """Call on every rank with exactly the arguments of ``neps.run``.
 
     The leader (rank 0) runs ``neps.run``; every follower evaluates the trials its
     leader hands it and returns when the leader's ``neps.run`` returns. A single
     process (no DDP) behaves exactly like ``neps.run``.
+
+    ``ranks_per_trial``: under ``neps-bcast launch --pool D`` only, how many ranks
+    (devices) a trial gets, from its config (fidelity included): an int in 1..D.
     """
     settings = Settings.from_env()
+    role = os.environ.get(wire.ENV_POOL_ROLE)
+    _check_ranks_per_trial(ranks_per_trial, role)
+    if role is not None:
+        _run_in_pool(role, evaluate_pipeline, pipeline_space, kwargs, ranks_per_trial, settings)
+        return
     launch = detect()
     fn = _resolve(evaluate_pipeline, launch)
     rt = Runtime(launch, settings, _signer(launch))
@@ -52,17 +64,7 @@ def run(
             rt.log(logging.INFO, "Lightning child of the leader at %s", launch.leader_store)
             run_follower(rt, fn, first_contact=True)
         else:
-            started = external.start(
-                launch,
-                settings,
-                rt.link,
-                rt.signer,
-                fingerprint(evaluate_pipeline, pipeline_space, kwargs),
-            )
-            rt.group.keep = started.users_group
-            rt.launcher_store = started.launcher_store
-            rt.observe_group()
-            rt.ensure_channel()
+            rt.start_external(fingerprint(evaluate_pipeline, pipeline_space, kwargs))
             try:
                 if rt.group_rank == 0:
                     leader.lead(rt, fn, pipeline_space, kwargs)
@@ -72,6 +74,64 @@ def run(
                 if rt.owns_group and dist.is_initialized():
                     dist.destroy_process_group()
                 rt.launcher_store = None
+
+
+def _check_ranks_per_trial(ranks_per_trial: object, role: str | None) -> None:
+    """Up front, on every process: a pool needs the function, only a pool takes it."""
+    tag = "neps_bcast"
+    if ranks_per_trial is not None and not callable(ranks_per_trial):
+        raise NepsBcastError(
+            format_message(
+                tag,
+                f"ranks_per_trial must be a function of the config, got {ranks_per_trial!r}.",
+                "pass e.g. ranks_per_trial=lambda config: 1 if config['epochs'] <= 3 else 4.",
+            )
+        )
+    if ranks_per_trial is not None and role is None:
+        raise NepsBcastError(
+            format_message(
+                tag,
+                "ranks_per_trial was given, but this process is not part of a pool: every"
+                " trial of a torchrun, srun or Lightning launch has that launch's size.",
+                "launch with neps-bcast launch --pool D SCRIPT (D devices, trials of 1..D"
+                " ranks each), or drop ranks_per_trial.",
+            )
+        )
+    if role == "agent" and ranks_per_trial is None:
+        raise NepsBcastError(
+            format_message(
+                tag,
+                "neps-bcast launch --pool started this search, but neps_bcast.run was not"
+                " given ranks_per_trial: the pool cannot know how many ranks a trial gets.",
+                "pass ranks_per_trial=lambda config: ... (an int in 1..D for every config),"
+                " e.g. ranks_per_trial=lambda config: 1.",
+            )
+        )
+
+
+def _run_in_pool(
+    role: str,
+    evaluate_pipeline: Callable[..., Any] | str,
+    pipeline_space: Any,
+    kwargs: dict[str, Any],
+    ranks_per_trial: Callable[[dict[str, Any]], int] | None,
+    settings: Settings,
+) -> None:
+    """``neps-bcast launch --pool``: an agent (a NePS worker without a device) or a
+    warm rank (``pool_agent``, ``pool_rank``)."""
+    launch = Launch(
+        kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
+    )
+    fn = _resolve(evaluate_pipeline, launch)
+    lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
+    torch_compat.keep_groups_alive()
+    atexit.unregister(free_trials_at_exit)
+    atexit.register(free_trials_at_exit)
+    if role == "agent":
+        assert ranks_per_trial is not None  # checked up front
+        pool_agent.run_agent(fn, pipeline_space, kwargs, ranks_per_trial, settings)
+    else:
+        pool_rank.serve(fn, fingerprint(evaluate_pipeline, pipeline_space, kwargs), settings)
 
 
 def _signer(launch: Launch) -> Signer:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from neps_bcast.errors import (
 )
 from neps_bcast.recovery import settle
 from neps_bcast.recovery.lease import Leases, left_by_earlier_attempts
+from neps_bcast.recovery.lease_file import next_worker_id
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import (
     indivisible,
@@ -40,8 +42,19 @@ from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
 from neps_bcast.trial import Outcome, evaluate_once, running
 
+RunTrial = Callable[[Runtime, TrialMessage], Outcome]
+"""Where a trial runs when not here: a pool's agent hands it to the ranks it is given
+(``pool_agent``) and returns their outcome."""
+
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""
+
+
+class TrialPutBack(BaseException):
+    """A pool's agent: the ranks of its trial were lost, and the trial is back to
+    pending; ``neps.run`` is left and entered again (NePS hands out pending trials
+    first). A ``BaseException`` for the reason ``SearchAborted`` is one: NePS would
+    record an ``Exception`` as the trial's failure, over the pending state."""
 
 
 class SearchAborted(BaseException):
@@ -57,7 +70,11 @@ class SearchAborted(BaseException):
 
 
 def wrap(
-    rt: Runtime, fn: Callable[..., Any], root_directory: Path, leases: Leases | None = None
+    rt: Runtime,
+    fn: Callable[..., Any],
+    root_directory: Path,
+    leases: Leases | None = None,
+    run_trial: RunTrial | None = None,
 ) -> Callable[..., Any]:
     """The function handed to ``neps.run`` in place of the user's.
 
@@ -69,7 +86,7 @@ def wrap(
 
     @functools.wraps(fn)
     def evaluate(**kwargs: Any) -> Any:
-        return evaluate_on_group(rt, fn, kwargs, root_directory, leases)
+        return evaluate_on_group(rt, fn, kwargs, root_directory, leases, run_trial)
 
     return evaluate
 
@@ -80,8 +97,10 @@ def evaluate_on_group(
     kwargs: dict[str, Any],
     root_directory: Path,
     leases: Leases | None = None,
+    run_trial: RunTrial | None = None,
 ) -> Any:
-    """Hand the trial NePS is evaluating to the group, evaluate it here, end it.
+    """Hand the trial NePS is evaluating to the group, evaluate it here, end it
+    (``run_trial``: hand it to where it runs, a pool's ranks, and wait for its outcome).
 
     With ``leases``, the trial is leased while it runs; an infrastructure failure
     (SIGTERM, a lost or terminated follower) puts it back to pending instead of
@@ -101,9 +120,9 @@ def evaluate_on_group(
             _recover_orphans(rt, leases)
             if info.pipeline_directory is not None:
                 attempt = leases.take(info.trial_id, info.pipeline_directory)
-        outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info, attempt)
+        outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info, attempt, run_trial)
     except FollowerLostError as exc:
-        _abort(rt, info, root_directory, leases, exc)
+        _abort(rt, info, root_directory, leases, exc, go_on=run_trial is not None)
     except BaseException as exc:
         try:
             settle.trial(info, root_directory, leases, exc)
@@ -131,6 +150,7 @@ def _hand_and_evaluate(
     leases: Leases | None,
     info: neps_compat.NepsTrialInfo,
     attempt: int = 1,
+    run_trial: RunTrial | None = None,
 ) -> Outcome:
     rt.seq += 1
     directory = info.pipeline_directory
@@ -155,7 +175,7 @@ def _hand_and_evaluate(
             f" (attempt {attempt}, resumed from {message.resumed_from})" if attempt > 1 else "",
         )
 
-    outcome = evaluate_once(rt, fn, message, hand_over)
+    outcome = run_trial(rt, message) if run_trial else evaluate_once(rt, fn, message, hand_over)
     terminated = _terminated_followers(outcome.failures)
     if terminated and leases is not None:
         # A follower got SIGTERM (and is leaving): the group is broken, and the trial
@@ -198,14 +218,19 @@ def _abort(
     root_directory: Path,
     leases: Leases | None,
     exc: FollowerLostError,
+    *,
+    go_on: bool = False,
 ) -> NoReturn:
     """The group lost a rank: settle the trial, then stop ``neps.run`` (never sample
-    again on a broken group, whatever happens while settling)."""
+    again on a broken group, whatever happens while settling). ``go_on``: a pool's
+    agent, whose next trial gets other ranks: only this trial ends."""
     try:
         settle.trial(info, root_directory, leases, exc)
     finally:
         rt.settled.set()
     rt.log(logging.ERROR, "%s", exc)  # after: a stop in the log call cannot skip the settling
+    if go_on:
+        raise TrialPutBack(str(exc)) from exc
     raise SearchAborted(exc) from exc
 
 
@@ -229,8 +254,15 @@ def let_leader_record(rt: Runtime, root_directory: Path, leases: Leases | None =
             neps_compat.record_crashed(run.message.trial_id, root_directory, error)
 
 
-def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[str, Any]) -> None:
-    """Rank 0: run ``neps.run`` with ``fn`` handed to the group, then stop the followers."""
+def lead(
+    rt: Runtime,
+    fn: Callable[..., Any],
+    pipeline_space: Any,
+    kwargs: dict[str, Any],
+    run_trial: RunTrial | None = None,
+) -> None:
+    """Rank 0: run ``neps.run`` with ``fn`` handed to the group, then stop the followers.
+    A pool's agent (``run_trial``): each trial runs where ``run_trial`` hands it."""
     import neps
 
     # Absolute from the start: the user's function may chdir, and the trial is recorded
@@ -252,7 +284,7 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
         guard.release()  # NePS gave us a trial: the state on disk is complete
         return fn(*args, **fn_kwargs)
 
-    wrapped = wrap(rt, first_trial_releases, root, leases)
+    wrapped = wrap(rt, first_trial_releases, root, leases, _releasing(guard, run_trial))
     stopped = False
     if rt.launch.kind == "single":  # Lightning may spawn children, watched by its observer
         lightning_compat.before_observer_kills(lambda: let_leader_record(rt, root, leases))
@@ -266,7 +298,7 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
                     # Before NePS samples: trials whose leader died go back to pending,
                     # and NePS hands out pending trials before sampling new ones.
                     leases.recover_orphans()
-                neps.run(wrapped, space, **kwargs)
+                _run_neps(neps.run, wrapped, space, kwargs)
             finally:
                 leases.close()
                 guard.release()
@@ -293,3 +325,34 @@ def lead(rt: Runtime, fn: Callable[..., Any], pipeline_space: Any, kwargs: dict[
                 rt.log(logging.ERROR, "could not stop the followers: %s", stop_error)
         raise
     rt.log(logging.INFO, "done")
+
+
+def _releasing(guard: RootGuard, run_trial: RunTrial | None) -> RunTrial | None:
+    """A pool's agent never calls the user's function (its trials run elsewhere): its
+    first trial releases the root lock as ``first_trial_releases`` does otherwise."""
+    if run_trial is None:
+        return None
+    remote = run_trial
+
+    def releasing(rt: Runtime, message: TrialMessage) -> Outcome:
+        guard.release()
+        return remote(rt, message)
+
+    return releasing
+
+
+def _run_neps(
+    neps_run: Callable[..., Any], wrapped: Callable[..., Any], space: Any, kwargs: dict[str, Any]
+) -> None:
+    """``neps.run``, entered again after a pool's trial was put back (``TrialPutBack``):
+    NePS then hands out that pending trial (or another) as it would at a start."""
+    for entry in itertools.count(2):
+        try:
+            neps_run(wrapped, space, **kwargs)
+        except TrialPutBack:
+            neps_compat.forget_current_trial()
+            kwargs = {**kwargs, "overwrite_root_directory": False}  # never wipe it again
+            if kwargs.get("worker_id") is not None:
+                kwargs["worker_id"] = next_worker_id(str(kwargs["worker_id"]), entry)
+            continue
+        return

@@ -28,6 +28,7 @@ from neps_bcast.errors import (
 )
 from neps_bcast.log import logger, role_tag, tagged
 from neps_bcast.recovery.signals import indivisible
+from neps_bcast.startup import external
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport import peers
 from neps_bcast.transport.auth import Signer, new_secret, secret_text
@@ -80,6 +81,8 @@ class Runtime:
         self.owns_group = False
         self.settled = threading.Event()
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
+        self.devices: tuple[int, ...] | None = None
+        """A pool's trial: the device index of each rank, in rank order (else None)."""
 
     @property
     def world_size(self) -> int | None:
@@ -101,6 +104,15 @@ class Runtime:
                 yield self
         finally:
             _ACTIVE = previous
+
+    def start_external(self, fingerprint: dict[str, str]) -> None:
+        """An external launch (torchrun, srun, a pool's trial): meet the other ranks,
+        agree on the secret, join the channel (``startup.external``)."""
+        started = external.start(self.launch, self.settings, self.link, self.signer, fingerprint)
+        self.group.keep = started.users_group
+        self.launcher_store = started.launcher_store
+        self.observe_group()
+        self.ensure_channel()
 
     # -- the user's group ------------------------------------------------------
     def observe_group(self) -> None:
@@ -139,7 +151,7 @@ class Runtime:
                 self.link.store,
                 seq,
                 self.settings.backend,
-                self.launch.local_rank,
+                self.devices[self.group_rank] if self.devices else self.launch.local_rank,
                 self._peers_alive,
             )
         self.owns_group = True

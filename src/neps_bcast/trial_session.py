@@ -33,6 +33,13 @@ class Trial:
     """On a retry, the trial's directory when an earlier attempt left files there (its
     checkpoint, if it wrote one), else None: resume from it. The same on every rank,
     decided by the leader (a follower need not see the leader's filesystem)."""
+    devices: int | list[int] | None = None
+    """Under ``neps-bcast launch --pool``: what to give ``Trainer(devices=...)`` or
+    ``Fabric(devices=...)`` so that each rank uses its own device: the trial's GPU
+    indexes in rank order, or on CPU the number of ranks. None outside a pool."""
+    device: int | None = None
+    """Under ``neps-bcast launch --pool``: this rank's own device index (plain DDP:
+    ``torch.device("cuda", trial.device)``); None outside a pool."""
 
 
 @contextmanager
@@ -76,6 +83,8 @@ def session() -> Iterator[Trial]:
         previous_pipeline_directory=message.previous_pipeline_directory,
         attempt=message.attempt,
         resumed_from=message.resumed_from,
+        devices=_devices(rt.devices),
+        device=rt.devices[rt.group_rank] if rt.devices is not None else None,
     )
     try:
         yield trial
@@ -90,6 +99,16 @@ def session() -> Iterator[Trial]:
             raise  # KeyboardInterrupt, SystemExit: reported, and they keep their meaning
         raise run.failed_error(records) from exc
     run.in_session = False
+
+
+def _devices(devices: tuple[int, ...] | None) -> int | list[int] | None:
+    """A pool trial's ``Trial.devices``: GPU indexes, or on CPU how many ranks (Lightning's
+    CPU accelerator takes a number of processes, not a list)."""
+    if devices is None:
+        return None
+    import torch
+
+    return list(devices) if torch.cuda.is_available() else len(devices)
 
 
 def _init_inside_session(tag: str, exc: BaseException) -> SessionError:

@@ -26,6 +26,17 @@ class NepsTrialInfo:
     previous_pipeline_directory: Path | None
 
 
+def forget_current_trial() -> None:
+    """Clear NePS's record of the trial this process evaluates, left set when a
+    ``BaseException`` leaves the evaluation (``neps.runtime._set_global_trial`` resets it
+    only on a normal exit): a pool's agent enters ``neps.run`` again after putting a
+    trial back, and NePS would refuse to set the next one ("A trial was already set to
+    run in this process")."""
+    import neps.runtime
+
+    neps.runtime._CURRENTLY_RUNNING_TRIAL_IN_PROCESS = None
+
+
 def current_trial() -> NepsTrialInfo:
     """The trial NePS is evaluating in this process (call only inside its evaluation)."""
     from neps.runtime import get_in_progress_trial  # private to NePS's runtime module

@@ -358,6 +358,16 @@ meet the first one's keys either). torch names groups from 0 up; a group's own
 ``new_group``s are named, and keep their keys, under its name."""
 
 
+def names_for_a_new_store() -> None:
+    """A pool's rank, before each trial: its group is formed on a store of its own (the
+    trial's agent serves a new one per trial), so the names count from the start again:
+    the same on every rank of the trial, whatever trials each rank took before (a
+    count kept per process named one rank's group 1000004 and its peer's 1000002, and
+    both waited in gloo's rendezvous for ever)."""
+    global _TRIAL_NAMES  # noqa: PLW0603 - the count is this process's, by design
+    _TRIAL_NAMES = itertools.count(1_000_001)
+
+
 def _default_backend(local_rank: int) -> str:
     """NCCL (on this rank's GPU) when there are GPUs, else gloo."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():

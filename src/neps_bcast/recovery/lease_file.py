@@ -87,7 +87,17 @@ class Owner:
 
 
 WORKER_PREFIX = "neps_bcast-"
-_WORKER_ID = re.compile(re.escape(WORKER_PREFIX) + r"(\d+)-(\d+)@([^/]*)/([^/]*)/(.*)")
+_WORKER_ID = re.compile(re.escape(WORKER_PREFIX) + r"(\d+)-(\d+)(?:\.\d+)?@([^/]*)/([^/]*)/(.*)")
+
+
+def next_worker_id(worker_id: str, entry: int) -> str:
+    """The worker id for this process's ``entry``-th ``neps.run`` (a pool's agent enters
+    it again after a lost trial, and NePS refuses a worker id twice): ours gets
+    ``.<entry>`` after its start time, still naming this process; another's a suffix."""
+    if _WORKER_ID.fullmatch(worker_id):
+        head, _, tail = worker_id.partition("@")
+        return f"{head.split('.')[0]}.{entry}@{tail}"
+    return f"{worker_id}-{entry}"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,172 @@
+"""A pool's agent: one NePS worker without a device (``neps-bcast launch --pool D``).
+
+It is today's leader (``leader.lead``: the root lock, the leases, the settling of every
+trial however it ends, the stop signals) except that it does not train: each trial's
+size comes from ``ranks_per_trial(config)``, the agent serves the trial's rendezvous
+store (as torchrun's agent does) and asks the launcher for that many ranks, and the
+trial's rank 0 sends back the outcome. A lost rank puts only this trial back to pending
+(``leader.TrialPutBack``); the agent goes on with the next.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import pickle
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from neps_bcast import leader
+from neps_bcast.compat import torch as torch_compat
+from neps_bcast.compat.neps import INJECTED_ARGUMENTS
+from neps_bcast.config import Settings
+from neps_bcast.errors import (
+    ErrorRecord,
+    FollowerLostError,
+    NepsBcastError,
+    format_message,
+)
+from neps_bcast.launcher import wire
+from neps_bcast.runtime import Runtime
+from neps_bcast.startup.launch import Launch
+from neps_bcast.transport.auth import Signer, new_secret
+from neps_bcast.transport.messages import TrialMessage, encode
+from neps_bcast.trial import Outcome
+
+RanksPerTrial = Callable[[dict[str, Any]], int]
+
+
+def pool_size(environ: Mapping[str, str]) -> int:
+    return int(environ[wire.ENV_POOL_SIZE])
+
+
+def trial_size(ranks_per_trial: RanksPerTrial, config: dict[str, Any], size: int, tag: str) -> int:
+    """``ranks_per_trial(config)``, checked: an int in 1..size, else ``NepsBcastError``
+    naming the value, the config and the fix (the trial is recorded crashed with it)."""
+    try:
+        value = ranks_per_trial(config)
+    except Exception as exc:
+        raise NepsBcastError(
+            format_message(
+                tag,
+                f"ranks_per_trial raised {type(exc).__name__}: {exc} for the config {config}.",
+                "make ranks_per_trial return a number of ranks for every config of the space.",
+            )
+        ) from exc
+    try:
+        ranks = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        ranks = None
+    if ranks is None or not 1 <= ranks <= size:
+        raise NepsBcastError(
+            format_message(
+                tag,
+                f"ranks_per_trial returned {value!r} for the config {config}; expected an int"
+                f" from 1 to {size} (the pool's devices).",
+                f"return a whole number of ranks in 1..{size}, or start a larger pool"
+                " (neps-bcast launch --pool D).",
+            )
+        )
+    return ranks
+
+
+class Remote:
+    """``leader.RunTrial`` for a pool's agent: the trial runs on the ranks the launcher
+    gives it; this waits (blocked on the launcher's socket) for their outcome."""
+
+    def __init__(self, conn: wire.Conn, key: str, size: int, ranks_per_trial: RanksPerTrial):
+        self.conn = conn
+        self.key = key
+        self.size = size
+        self.ranks_per_trial = ranks_per_trial
+        self.stores: dict[str, Any] = {}
+        """Each running trial's rendezvous store, served until its ranks are free."""
+
+    def __call__(self, rt: Runtime, message: TrialMessage) -> Outcome:
+        config = {k: v for k, v in message.kwargs.items() if k not in INJECTED_ARGUMENTS}
+        try:
+            ranks = trial_size(self.ranks_per_trial, config, self.size, rt.tag)
+        except NepsBcastError as exc:
+            return Outcome(None, exc, [ErrorRecord.from_exception(0, exc, pid=os.getpid())])
+        order = uuid.uuid4().hex
+        store = torch_compat.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True
+        )
+        self.stores[order] = store
+        self.conn.send(
+            {
+                "op": "ask",
+                "order": order,
+                "trial": message.trial_id,
+                "size": ranks,
+                "port": store.port,
+                "payload": wire.seal(self.key, "trial", order, encode(message, tag=rt.tag)),
+            }
+        )
+        rt.log(logging.INFO, "trial %s asks for %d rank(s)", message.trial_id, ranks)
+        while True:
+            record = self.conn.receive()
+            op, about = record.get("op"), record.get("order")
+            if op == "released":
+                self.stores.pop(str(about), None)
+            elif op == "placed" and about == order:
+                rt.log(
+                    logging.INFO,
+                    "trial %s runs on device(s) %s",
+                    message.trial_id,
+                    ",".join(map(str, record.get("devices", []))),
+                )
+            elif op == "outcome" and about == order:
+                return self._outcome(rt, message, order, record)
+
+    def _outcome(
+        self, rt: Runtime, message: TrialMessage, order: str, record: dict[str, Any]
+    ) -> Outcome:
+        if "refused" in record:
+            error = NepsBcastError(format_message(rt.tag, str(record["refused"])))
+            return Outcome(None, error, [ErrorRecord.from_exception(0, error, pid=os.getpid())])
+        if "lost" in record or "interrupted" in record:
+            what = record.get("lost") or f"rank 0 was stopped: {record.get('interrupted')}"
+            raise FollowerLostError(
+                format_message(
+                    rt.tag,
+                    f"trial {message.trial_id} lost its ranks: {what}.",
+                    "the trial goes back to pending and runs again on fresh ranks; see"
+                    " the ranks' logs for what ended them.",
+                )
+            )
+        failures = [ErrorRecord.from_dict(f) for f in record.get("failures", [])]
+        result = None
+        if not failures:
+            result = pickle.loads(wire.unseal(self.key, "result", order, record["result"]))  # noqa: S301 - sealed by the trial's rank 0 with the pool's key
+        return Outcome(result, None, failures)
+
+    def close(self) -> None:
+        self.stores.clear()
+        self.conn.close()
+
+
+def run_agent(
+    fn: Callable[..., Any],
+    pipeline_space: Any,
+    kwargs: dict[str, Any],
+    ranks_per_trial: RanksPerTrial,
+    settings: Settings,
+) -> None:
+    """An agent's whole life in ``neps_bcast.run``: ``neps.run`` with each trial on the
+    pool's ranks, until the search is over."""
+    environ = os.environ
+    index = int(environ[wire.ENV_POOL_INDEX])
+    conn = wire.connect(environ[wire.ENV_POOL], environ[wire.ENV_POOL_KEY], "agent", index)
+    launch = Launch(
+        kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
+    )
+    rt = Runtime(launch, settings, Signer(new_secret()))
+    remote = Remote(conn, environ[wire.ENV_POOL_KEY], pool_size(environ), ranks_per_trial)
+    with rt.activated():
+        try:
+            leader.lead(rt, fn, pipeline_space, kwargs, run_trial=remote)
+        finally:
+            remote.close()

@@ -1,0 +1,199 @@
+"""A pool's warm rank: one device for life, a new DDP group for every trial it is given.
+
+The rank imports the user's script once, then waits (blocked on the launcher's socket,
+no CPU) for an order: "rank r of k for trial T, the rendezvous store at port P". It then
+looks exactly like a rank torchrun just started (torchrun's variables: ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` = r, ``TORCHELASTIC_USE_AGENT_STORE=True`` with the store
+the trial's agent serves), so Lightning, Fabric and PyTorch's tutorial code all form
+their group as under torchrun, and neps_bcast's own start and trial protocol are
+today's (``Runtime.start_external``, ``follower.run_follower``). The trial's rank 0
+takes the trial from its agent's order (sealed with the pool's key), hands it to its
+group, evaluates it and sends the outcome back.
+
+Between two trials, and nothing more (measured, docs/architecture.md): the default
+group is destroyed (Lightning reuses one it finds, with the old members), and the
+environment is put back as the rank started (``seed_everything`` leaves
+``PL_GLOBAL_SEED``, which a later Trainer would re-seed from). A rank whose trial did
+not end cleanly is told to exit by the launcher, which starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from neps_bcast.config import Settings
+from neps_bcast.ddp.group import names_for_a_new_store
+from neps_bcast.errors import FollowerLostError, NepsBcastError
+from neps_bcast.follower import run_follower
+from neps_bcast.launcher import wire
+from neps_bcast.log import logger
+from neps_bcast.recovery.signals import preemption, stop_signals
+from neps_bcast.runtime import Runtime
+from neps_bcast.startup.launch import detect
+from neps_bcast.transport.auth import Signer, new_secret
+from neps_bcast.transport.messages import TrialMessage, decode
+from neps_bcast.trial import evaluate_once
+
+TORCHRUN_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "NODE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+class Recycled(SystemExit):
+    """The launcher told this rank to exit (its trial did not end cleanly): the process
+    ends here, without running the script's code after ``neps_bcast.run``."""
+
+
+def trial_environment(order: dict[str, Any]) -> dict[str, str]:
+    """torchrun's variables for rank ``order["rank"]`` of a group of ``order["world"]``
+    on this node, meeting on the agent's store at ``order["port"]``."""
+    rank, world = str(order["rank"]), str(order["world"])
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(order["port"]),
+        "RANK": rank,
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": rank,
+        "LOCAL_WORLD_SIZE": world,
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_RANK": rank,
+        "ROLE_WORLD_SIZE": world,
+        "ROLE_NAME": "default",
+        "NODE_RANK": "0",
+        "TORCHELASTIC_RUN_ID": f"neps_bcast-pool-{order['order']}",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def serve(fn: Callable[..., Any], fingerprint: dict[str, str], settings: Settings) -> None:
+    """A warm rank's whole life in ``neps_bcast.run``: trials until the launcher says
+    the search is over (returns) or that this rank is recycled (``Recycled``)."""
+    environ = os.environ
+    index = int(environ[wire.ENV_POOL_INDEX])
+    key = environ[wire.ENV_POOL_KEY]
+    conn = wire.connect(environ[wire.ENV_POOL], key, "rank", index)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(index)  # this rank's device, for life
+    started_with = dict(os.environ)
+    tag = f"[neps_bcast pool rank on device {index}]"
+    try:
+        while True:
+            order = conn.receive()
+            if order.get("op") == "exit":
+                logger.info("%s leaving: %s", tag, order.get("why"))
+                if order.get("why") != "the search is over":
+                    raise Recycled(0)
+                return
+            if order.get("op") != "order":
+                continue
+            clean = False
+            try:
+                os.environ.update(trial_environment(order))
+                clean = _run_order(fn, fingerprint, settings, order, conn, key)
+            finally:
+                if dist.is_initialized():
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group()
+                os.environ.clear()
+                os.environ.update(started_with)
+                with contextlib.suppress(wire.WireError):
+                    conn.send({"op": "free", "order": order["order"], "clean": clean})
+    finally:
+        conn.close()
+
+
+def _run_order(
+    fn: Callable[..., Any],
+    fingerprint: dict[str, str],
+    settings: Settings,
+    order: dict[str, Any],
+    conn: wire.Conn,
+    key: str,
+) -> bool:
+    """This rank's part of one trial; True when it ended cleanly here."""
+    names_for_a_new_store()
+    launch = detect()
+    rt = Runtime(launch, settings, Signer(new_secret()))
+    rt.devices = tuple(int(d) for d in order["devices"])
+    with rt.activated():
+        if launch.kind == "external":
+            rt.start_external(fingerprint)
+        try:
+            if rt.group_rank == 0:
+                return _relay(rt, fn, order, conn, key)
+            run_follower(rt, fn, first_contact=False)
+            return True
+        finally:
+            rt.launcher_store = None
+
+
+def _relay(
+    rt: Runtime, fn: Callable[..., Any], order: dict[str, Any], conn: wire.Conn, key: str
+) -> bool:
+    """The trial's rank 0: the agent's trial to the group, evaluated, its outcome back."""
+    name = str(order["order"])
+    message = decode(wire.unseal(key, "trial", name, order["payload"]), tag=rt.tag)
+    if not isinstance(message, TrialMessage):
+        raise NepsBcastError(f"{rt.tag} the pool's order did not carry a trial")
+    with stop_signals():
+        rt.seq += 1
+        message = dataclasses.replace(message, seq=rt.seq, group_generation=rt.next_generation())
+
+        def hand_over() -> None:
+            rt.send(message)
+            rt.log(logging.INFO, "trial %s handed to the group", message.trial_id)
+
+        try:
+            outcome = evaluate_once(rt, fn, message, hand_over)
+        except FollowerLostError as exc:
+            _answer(conn, name, {"lost": str(exc)})
+            rt.close()
+            return False
+        except BaseException as exc:
+            stop = preemption(exc)
+            how = stop.how if stop is not None else f"{type(exc).__name__}: {exc}"
+            _answer(conn, name, {"interrupted": how})
+            with contextlib.suppress(NepsBcastError):
+                rt.shutdown(f"rank 0 stopped: {how}")
+            raise
+        answer: dict[str, Any] = {"clean": not outcome.failures}
+        if outcome.failures:
+            answer["failures"] = [dataclasses.asdict(f) for f in outcome.failures]
+        else:
+            result = pickle.dumps(outcome.result, protocol=pickle.HIGHEST_PROTOCOL)
+            answer["result"] = wire.seal(key, "result", name, result)
+        _answer(conn, name, answer)
+        rt.shutdown(f"trial {message.trial_id} is over")
+        return not outcome.failures
+
+
+def _answer(conn: wire.Conn, order: str, record: dict[str, Any]) -> None:
+    with contextlib.suppress(wire.WireError):
+        conn.send({"op": "outcome", "order": order, **record})

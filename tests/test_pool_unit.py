@@ -1,0 +1,218 @@
+"""Unit tests of the pool's parts that need no process: the wire's opening and sealing
+(hostile input refused before anything of it is used), ``ranks_per_trial``'s checks, and
+the variables a warm rank gets for a trial."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neps_bcast.api import _check_ranks_per_trial
+from neps_bcast.errors import NepsBcastError
+from neps_bcast.launcher import wire
+from neps_bcast.pool_agent import trial_size
+from neps_bcast.pool_rank import trial_environment
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
+    path = str(tmp_path / "pool.sock")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)
+    listening.listen(1)
+    try:
+        yield path, listening
+    finally:
+        listening.close()
+
+
+def accept_in_thread(listening: socket.socket, key: str) -> dict[str, Any]:
+    """The launcher's side in a thread: its hello, or the error it raised."""
+    seen: dict[str, Any] = {}
+
+    def serve() -> None:
+        sock, _ = listening.accept()
+        conn = wire.Conn(sock)
+        try:
+            seen["hello"] = wire.accept(conn, key)
+            seen["next"] = conn.receive(10)
+        except (wire.WireError, TimeoutError) as exc:
+            seen["error"] = exc
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    seen["thread"] = thread
+    return seen
+
+
+def test_a_member_with_the_key_is_welcomed_and_heard(server: tuple[str, socket.socket]) -> None:
+    path, listening = server
+    key = wire.new_key()
+    seen = accept_in_thread(listening, key)
+    conn = wire.connect(path, key, "rank", 3)
+    conn.send({"op": "free", "order": "x", "clean": True})
+    seen["thread"].join(10)
+    conn.close()
+    assert seen["hello"]["role"] == "rank" and seen["hello"]["index"] == 3
+    assert seen["next"] == {"op": "free", "order": "x", "clean": True}
+
+
+def test_a_process_without_the_key_is_refused_before_anything_it_sends_is_read(
+    server: tuple[str, socket.socket],
+) -> None:
+    path, listening = server
+    seen = accept_in_thread(listening, wire.new_key())
+    with pytest.raises(wire.WireError):
+        wire.connect(path, wire.new_key(), "agent", 0)  # its own key: the launcher's proof fails
+    seen["thread"].join(10)
+    assert "hello" not in seen and "next" not in seen
+    assert isinstance(seen["error"], wire.WireError)
+
+
+def test_a_socket_that_cannot_prove_the_key_is_not_trusted(
+    server: tuple[str, socket.socket],
+) -> None:
+    """An impostor serving the path: the member refuses it and sends nothing more."""
+    path, listening = server
+    received: list[dict[str, Any]] = []
+
+    def impostor() -> None:
+        sock, _ = listening.accept()
+        conn = wire.Conn(sock)
+        received.append(conn.receive(10))
+        conn.send({"op": "challenge", "nonce": "00", "proof": "not a proof"})
+        try:
+            received.append(conn.receive(10))
+        except wire.WireError:
+            pass
+        conn.close()
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    with pytest.raises(wire.WireError, match="did not prove the pool's key"):
+        wire.connect(path, wire.new_key(), "rank", 0)
+    thread.join(10)
+    assert [r["op"] for r in received] == ["hello"]  # no proof, nothing else, was sent
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"not json\n", b"[1, 2]\n", b'{"no": "op"}\n', b'{"op": 3}\n', b"\xff\xfe\n"],
+    ids=["text", "a list", "no op", "op not text", "not utf-8"],
+)
+def test_a_line_that_is_not_a_record_is_refused(line: bytes) -> None:
+    left, right = socket.socketpair()
+    try:
+        left.sendall(line)
+        with pytest.raises(wire.WireError):
+            wire.Conn(right).receive(5)
+    finally:
+        left.close()
+        right.close()
+
+
+def test_a_sealed_payload_opens_only_with_its_key_kind_and_order() -> None:
+    key = wire.new_key()
+    payload = pickle.dumps({"lr": 0.1})
+    sealed = wire.seal(key, "trial", "order-1", payload)
+    assert wire.unseal(key, "trial", "order-1", sealed) == payload
+    for other_key, what, order in [
+        (wire.new_key(), "trial", "order-1"),
+        (key, "result", "order-1"),
+        (key, "trial", "order-2"),
+    ]:
+        with pytest.raises(wire.WireError):
+            wire.unseal(other_key, what, order, sealed)
+
+
+@pytest.mark.parametrize(
+    "sealed", ["!!!not base64", 12, "", "QUFBQQ=="], ids=["garbage", "a number", "empty", "short"]
+)
+def test_a_forged_or_broken_payload_is_refused(sealed: object) -> None:
+    with pytest.raises(wire.WireError):
+        wire.unseal(wire.new_key(), "trial", "o", sealed)
+
+
+def test_a_tampered_payload_is_refused() -> None:
+    key = wire.new_key()
+    sealed = wire.seal(key, "result", "o", pickle.dumps(1.0))
+    raw = bytearray(__import__("base64").b64decode(sealed))
+    raw[-1] ^= 1
+    with pytest.raises(wire.WireError, match="failed its check"):
+        wire.unseal(key, "result", "o", __import__("base64").b64encode(bytes(raw)).decode())
+
+
+# -- ranks_per_trial ------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [1, 2, 4])
+def test_a_size_from_1_to_the_pool_is_taken(value: int) -> None:
+    assert trial_size(lambda _c: value, {"epochs": 3}, 4, "tag") == value
+
+
+def test_an_integer_like_size_is_taken() -> None:
+    class Index:
+        def __index__(self) -> int:
+            return 2
+
+    assert trial_size(lambda _c: Index(), {}, 4, "tag") == 2  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("value", [0, 5, -1, 1.5, True, "2", None])
+def test_a_size_outside_1_to_the_pool_names_the_value_the_config_and_the_range(
+    value: object,
+) -> None:
+    with pytest.raises(NepsBcastError) as info:
+        trial_size(lambda _c: value, {"epochs": 9}, 4, "[agent]")  # type: ignore[arg-type,return-value]
+    text = str(info.value)
+    assert f"ranks_per_trial returned {value!r}" in text
+    assert "{'epochs': 9}" in text
+    assert "from 1 to 4" in text
+    assert "HINT" in text
+
+
+def test_a_ranks_per_trial_that_raises_names_its_error_and_the_config() -> None:
+    def broken(config: dict[str, Any]) -> int:
+        return int(config["missing"])
+
+    with pytest.raises(NepsBcastError) as info:
+        trial_size(broken, {"epochs": 1}, 4, "[agent]")
+    assert "ranks_per_trial raised KeyError: 'missing' for the config {'epochs': 1}" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "role", "expected"),
+    [
+        (3, "agent", "must be a function of the config"),
+        (lambda c: 1, None, "not part of a pool"),
+        (None, "agent", "was not given ranks_per_trial"),
+    ],
+    ids=["not callable", "outside a pool", "a pool without it"],
+)
+def test_ranks_per_trial_is_checked_up_front(
+    value: object, role: str | None, expected: str
+) -> None:
+    with pytest.raises(NepsBcastError, match=expected):
+        _check_ranks_per_trial(value, role)
+
+
+@pytest.mark.parametrize(("value", "role"), [(None, None), (lambda c: 1, "agent"), (None, "rank")])
+def test_ranks_per_trial_where_it_belongs_passes(value: object, role: str | None) -> None:
+    _check_ranks_per_trial(value, role)
+
+
+def test_a_trial_gets_torchruns_variables_for_its_rank_and_store() -> None:
+    env = trial_environment({"order": "abc", "rank": 2, "world": 4, "port": 4242})
+    assert env["RANK"] == env["LOCAL_RANK"] == "2"
+    assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "4"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "4242")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the agent's store: no rank binds
+    assert env["TORCHELASTIC_RUN_ID"].endswith("abc")
