@@ -1,7 +1,8 @@
 """Every script in examples/ runs, launched as README says, at small settings.
 
 So that none can rot: `python examples/lightning_ddp.py`, `torchrun --standalone ...
-examples/torchrun_ddp.py`, `neps-bcast launch ... examples/groups.py`, each from the
+examples/torchrun_ddp.py`, `neps-bcast launch ... examples/groups.py` (and `--pool` with
+examples/pool.py), each from the
 repository root with its NePS root under ``tmp_path``. Each must exit 0, NePS must hold
 every trial it was asked for (all successful), and no process of the launch may be left.
 """
@@ -130,6 +131,36 @@ def test_groups_example_under_neps_bcast_launch_as_readme_says(tmp_path: Path) -
         "rank0.log",
         "rank1.log",
         "torchrun.log",
+    ]
+
+
+@pytest.mark.timeout(420)
+def test_pool_example_under_neps_bcast_launch_as_readme_says(tmp_path: Path) -> None:
+    # README: neps-bcast launch --pool 4 examples/pool.py --trials 12 (Lightning, sized by
+    # epochs: 1 rank for up to 2 epochs, else 2)
+    root = tmp_path / "root"
+    out = run_example(
+        [
+            NEPS_BCAST,
+            "launch",
+            "--pool",
+            "4",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "examples/pool.py",
+            "--trials",
+            "6",
+            "--root",
+            str(root),
+        ],
+        tmp_path,
+        timeout=360,
+    )
+    assert_trials(root, 6)
+    assert "pool of 4 ranks on CPU and 4 agents" in out, out
+    assert sorted(p.name for p in (tmp_path / "logs" / "pool").iterdir()) == [
+        *(f"agent{i}.log" for i in range(4)),
+        *(f"rank{i}.log" for i in range(4)),
     ]
 
 
