@@ -174,7 +174,10 @@ class TestARankKilledInATrialPutsOnlyThatTrialBack:
                 None,
             )
 
-        victim = running.wait_for("a rank 1 training a trial of 2 or 4", a_trial_of_two_or_more)
+        # Bounded by the launch's deadline: 8 processes import torch and NePS first.
+        victim = running.wait_for(
+            "a rank 1 training a trial of 2 or 4", a_trial_of_two_or_more, timeout=360
+        )
         procfs.kill(victim["pid"], signal.SIGKILL)
         return running.finish(), tmp, victim["trial"], victim["pid"]
 
@@ -223,12 +226,12 @@ class TestSigtermToThePoolPutsRunningTrialsBackAndTheSameCommandFinishes:
         tmp = tmp_path_factory.mktemp("pool_term")
         first = start_pool(tmp, "first", self.TRIALS, POOL_SLOW="4")
 
-        def two_running(events: list[dict[str, Any]]) -> set[str] | None:
+        def training(events: list[dict[str, Any]]) -> set[str] | None:
             started = {e["trial"] for e in events if e["event"] == "started"}
             done = {e["trial"] for e in events if e["event"] == "trained"}
-            return (started - done) if len(started - done) >= 2 else None
+            return (started - done) or None
 
-        running = first.wait_for("two trials training at once", two_running)
+        running = first.wait_for("a trial training", training, timeout=360)
         procfs.kill(first.proc.pid, signal.SIGTERM)
         stopped = first.finish()
         after_stop = states(stopped.root)
