@@ -286,6 +286,13 @@ class Pool:
             member.conn.close()
             member.conn = None
 
+    def _lost(self, order: Order, why: str) -> None:
+        """The trial's outcome, when its rank 0 cannot send one: its ranks were lost."""
+        order.answered = True
+        agent = self.agents.get(order.agent)
+        if agent is not None:
+            self._tell(agent, {"op": "outcome", "order": order.key, "lost": why})
+
     def _maybe_release(self, order: Order) -> None:
         if not order.free.issuperset(order.ranks):
             return
@@ -293,16 +300,7 @@ class Pool:
         self.orders.pop(order.key, None)
         self.done += 1
         if not order.answered:
-            agent = self.agents.get(order.agent)
-            if agent is not None:
-                self._tell(
-                    agent,
-                    {
-                        "op": "outcome",
-                        "order": order.key,
-                        "lost": f"the ranks of trial {order.trial} left it without an outcome",
-                    },
-                )
+            self._lost(order, f"the ranks of trial {order.trial} left it without an outcome")
         agent = self.agents.get(order.agent)
         if agent is not None:
             self._tell(agent, {"op": "released", "order": order.key})
@@ -406,18 +404,11 @@ class Pool:
             if order is not None:
                 order.clean = False
                 if not order.answered and order.ranks and order.ranks[0] == index:
-                    order.answered = True
-                    agent = self.agents.get(order.agent)
-                    if agent is not None:
-                        self._tell(
-                            agent,
-                            {
-                                "op": "outcome",
-                                "order": order.key,
-                                "lost": f"rank 0 of trial {order.trial} (device {index},"
-                                f" pid {rank.proc.pid}) {_exit_text(code)}",
-                            },
-                        )
+                    self._lost(
+                        order,
+                        f"rank 0 of trial {order.trial} (device {index}, pid {rank.proc.pid})"
+                        f" {_exit_text(code)}",
+                    )
                 order.free.add(index)
                 self._maybe_release(order)
             over = not any(a.proc.poll() is None for a in self.agents.values())
