@@ -136,3 +136,53 @@ FULL = BenchConfig(
 )
 
 CONFIGS: dict[Mode, BenchConfig] = {"quick": QUICK, "full": FULL}
+
+
+# ----------------------------------------------------------------------------- the pool section
+POOL_SERIAL_FRACTION = 0.1
+"""s of the simulated devices' speedup curve (Amdahl): e epochs on k ranks take
+``e * t_epoch * (s + (1 - s) / k)`` seconds of device time (workloads/pool_sim.py)."""
+
+POOL_UTILIZATION_GOAL = 0.9
+"""Device utilization (busy device-seconds / (D x search wall)) at least this."""
+POOL_WALL_GOAL = 0.67
+"""The pool's search wall at most this times the best fixed layout's."""
+POOL_SCHEDULING_GOAL_MS = 50.0
+"""The pool's scheduling cost per trial (placement -> every rank in the function), median,
+at most this many ms more than the start cost (a fixed layout's NePS trial start -> every
+rank in the function, median over the fixed layouts' trials)."""
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """The right-sized pool section (``run.py --full``, or ``--only pool``): one launch per
+    layout, ``neps-bcast launch --pool D`` against every fixed ``--groups G --nproc-per-group
+    N`` with G x N = D, on D simulated devices (workloads/pool_sim.py)."""
+
+    devices: int
+    """D: simulated devices (CPU ranks whose training steps sleep)."""
+    t_epoch: float
+    """Seconds of device time of one epoch on one rank."""
+    evaluations: int
+    """The search's budget, every layout: ``total_evaluations_to_spend``."""
+    runs: int
+    """Launches per layout, interleaved (medians over them)."""
+    deadline_s: float
+    """A launch still running after this is killed (and counted as not completed)."""
+
+
+POOL_CONFIGS: dict[Mode, PoolConfig] = {
+    # --only pool (quick): a small pool to develop with, ~6 min.
+    "quick": PoolConfig(devices=4, t_epoch=0.5, evaluations=12, runs=1, deadline_s=420),
+    # make bench-full: 8-16 min on 2 cores (by the load of the machine), most of it the
+    # launches' start-up (up to 16 processes importing torch and NePS), left out of every
+    # search wall; a search wall is 24-48 s.
+    "full": PoolConfig(devices=8, t_epoch=1.0, evaluations=40, runs=1, deadline_s=600),
+}
+
+
+def fixed_layouts(devices: int) -> tuple[tuple[int, int], ...]:
+    """Every (groups, ranks per group) with groups x ranks = ``devices``, widest group first."""
+    return tuple(
+        (devices // ranks, ranks) for ranks in range(devices, 0, -1) if devices % ranks == 0
+    )

@@ -316,7 +316,26 @@ def headline_rows(summary: Summary, config: BenchConfig) -> list[Row]:
             bo_e2e_rows(summary, config),
         ),
         groups_row(summary, config)[:4],
+        *pool_rows(summary),
     ]
+
+
+def pool_rows(summary: Summary) -> list[Row]:
+    """The right-sized pool's README row, where the run measured it (``--full``)."""
+    if "pool" not in summary:
+        return []
+    from pool_report import pool_headline_row
+
+    return [pool_headline_row(summary)]
+
+
+def pool_text(summary: Summary) -> str:
+    """The right-sized pool's section (``pool_report``), where the run measured it."""
+    if "pool" not in summary:
+        return ""
+    from pool_report import pool_section
+
+    return pool_section(summary) + "\n"
 
 
 # ----------------------------------------------------------------------------- other tables
@@ -469,7 +488,7 @@ table's figure); trials/min (wall): over the whole launch, imports and shutdown 
 
 {groups_table(summary)}
 
-## Plain-DDP launches
+{pool_text(summary)}## Plain-DDP launches
 
 {launches_table(summary)}
 

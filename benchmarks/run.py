@@ -1,12 +1,17 @@
 """neps_bcast vs NePS 0.17's built-in DDP mode, side by side, interleaved, in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --quick   # make bench (~7 min)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min + pool)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --only groups   # one section (~2 min)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (8-16 min)
 
 Writes ``summary_<mode>.json``, ``REPORT.md`` and the PNG plots to ``benchmarks/results/``
 (raw per-launch JSON to ``results/raw/``, git-ignored). ``--only groups`` measures that one
 section with the mode's settings and prints its summary, writing nothing to ``results/``.
+The right-sized pool section (``pool_bench``, ``pool_report``: ``--pool D`` against the fixed
+layouts on D simulated devices) is part of ``--full`` only; ``--only pool`` runs it alone
+(quick: a small pool of 4 to develop with), and with ``--save`` also writes
+``pool_<mode>.json``, its figure, and its section of REPORT.md (replaced in place).
 Measures only: nothing here asserts a time. The parts: ``configuration`` (what a mode
 measures), ``measurement`` (launching ``workloads/`` under ``_supervise.py``), ``analysis``
 (statistics), ``report`` (REPORT.md, whose Headline table the README copies), ``plots``.
@@ -28,9 +33,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from analysis import summarize, summarize_groups
-from configuration import CONFIGS, RAW, RESULTS
+from configuration import CONFIGS, POOL_CONFIGS, RAW, RESULTS, Mode
 from measurement import measure_all, measure_group_layouts, progress
 from plots import save_plots
+from pool_bench import measure_pool_section, summarize_pool
+from pool_report import pool_headline_row, pool_section, save_pool_plot, splice_section
 from report import (
     MAIN_HEADER,
     groups_row,
@@ -87,14 +94,23 @@ def main() -> None:
     parser.add_argument("--keep-tmp", action="store_true", help="keep the launches' folders")
     parser.add_argument(
         "--only",
-        choices=("groups",),
+        choices=("groups", "pool"),
         help="measure only this section (quick or full settings), print its summary and rows,"
-        " write nothing to results/",
+        " write nothing to results/ (but see --save)",
+    )
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="with --only pool: also write results/pool_<mode>.json, its figure and its"
+        " section of REPORT.md (raw JSON to results/raw/pool_<mode>/)",
     )
     args = parser.parse_args()
-    mode = "full" if args.full else "quick"
+    mode: Mode = "full" if args.full else "quick"
     config = CONFIGS[mode]
     started = time.monotonic()
+    if args.only == "pool":
+        only_pool(mode, keep=args.keep_tmp, save=args.save)
+        return
     if args.only == "groups":  # the launches' records stay in the temporary folder
         with scratch(f"{mode}, groups only", keep=args.keep_tmp) as tmp:
             launches = measure_group_layouts(config, tmp, raw_dir=tmp / "raw")
@@ -108,12 +124,17 @@ def main() -> None:
     RAW.mkdir(parents=True)
     with scratch(mode, keep=args.keep_tmp) as tmp:
         raw = measure_all(config, tmp)
+        if mode == "full":  # make bench-full's last section
+            raw["pool"] = measure_pool_section(POOL_CONFIGS[mode], tmp)
     seconds = time.monotonic() - started
     summary = summarize(raw, config)
+    if "pool" in raw:
+        summary["pool"] = summarize_pool(raw["pool"], POOL_CONFIGS[mode])
     machine = machine_description()
     document = {
         "mode": mode,
         "config": asdict(config),
+        **({"pool_config": asdict(POOL_CONFIGS[mode])} if "pool" in raw else {}),
         "machine": machine,
         "seconds": seconds,
         "summary": summary,
@@ -121,8 +142,49 @@ def main() -> None:
     (RESULTS / f"summary_{mode}.json").write_text(json.dumps(document, indent=1))
     (RESULTS / "REPORT.md").write_text(render_report(summary, config, mode, machine, seconds))
     save_plots(summary, raw)
+    if "pool" in raw:
+        save_pool_plot(summary, raw["pool"])
     progress(markdown_table(MAIN_HEADER.rpartition(" | ")[0], headline_rows(summary, config)))
     progress(f"done in {seconds / 60:.1f} min: {RESULTS / 'REPORT.md'}")
+
+
+def only_pool(mode: Mode, *, keep: bool, save: bool) -> None:
+    """``--only pool``: the right-sized pool section alone; ``save``: into results/ too."""
+    started = time.monotonic()
+    pool_config = POOL_CONFIGS[mode]
+    raw_dir = RAW / f"pool_{mode}"
+    if save:
+        shutil.rmtree(raw_dir, ignore_errors=True)
+    with scratch(f"{mode}, pool only", keep=keep) as tmp:
+        launches = measure_pool_section(pool_config, tmp, raw_dir if save else tmp / "raw")
+    seconds = time.monotonic() - started
+    summary = {"pool": summarize_pool(launches, pool_config)}
+    print(json.dumps(summary, indent=1))
+    print(markdown_table(MAIN_HEADER.rpartition(" | ")[0], [pool_headline_row(summary)]) + "\n")
+    if save:
+        machine = machine_description()
+        document = {
+            "mode": mode,
+            "pool_config": asdict(pool_config),
+            "machine": machine,
+            "seconds": seconds,
+            "summary": summary,
+        }
+        (RESULTS / f"pool_{mode}.json").write_text(json.dumps(document, indent=1))
+        save_pool_plot(summary, launches)
+        note = (
+            f"Measured alone: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}"
+            f" --only pool --save`, {time.strftime('%Y-%m-%d %H:%M:%S')}, took"
+            f" {seconds / 60:.1f} min; machine: "
+            + ", ".join(f"{key} {value}" for key, value in machine.items())
+            + ". The rest of this report comes from its own run."
+        )
+        report = RESULTS / "REPORT.md"
+        text = report.read_text() if report.exists() else ""
+        report.write_text(splice_section(text, pool_section(summary, note=note)))
+    else:
+        print(pool_section(summary))
+    progress(f"done in {seconds / 60:.1f} min")
 
 
 if __name__ == "__main__":
