@@ -47,9 +47,11 @@ def pool_command(tmp_path: Path, name: str, trials: int) -> list[str]:
     ]
 
 
-def start_pool(tmp_path: Path, name: str, trials: int, **env: str) -> Running:
+def start_pool(
+    tmp_path: Path, name: str, trials: int, *args: str, **env: str
+) -> Running:
     return start(
-        pool_command(tmp_path, name, trials),
+        [*pool_command(tmp_path, name, trials), *args],
         tmp_path,
         name=name,
         env={"POOL_RECORD": str(tmp_path / name / "rec"), **env},
@@ -148,6 +150,25 @@ class TestAPoolRunsTrialsOfTheirOwnSize:
         """Ranks are regrouped per trial, not started per trial: 4 processes did it all."""
         records = [e for ranks in trained(launch[0].events).values() for e in ranks]
         assert len({e["pid"] for e in records}) == POOL, {e["pid"] for e in records}
+
+
+# -- NePS refuses the search in every agent: the launch ends --------------------------------
+class TestASearchEveryAgentFailsEndsTheLaunch:
+    """A typo in the optimizer's name: NePS raises in every agent at its start, while
+    the ranks may still be importing. The launch ends, saying why; nothing is left."""
+
+    @pytest.fixture(scope="class")
+    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
+        tmp = tmp_path_factory.mktemp("pool_refused")
+        return start_pool(tmp, "run", 4, "--optimizer", "no_such_optimizer").finish(), tmp
+
+    def test_the_launcher_exits_1_naming_the_error(self, launch: tuple[Result, Path]) -> None:
+        result, tmp = launch
+        assert result.returncode == 1, pool_logs(tmp)
+        assert "no_such_optimizer" in result.log, result.log[-3000:]
+
+    def test_nothing_is_left(self, launch: tuple[Result, Path]) -> None:
+        assert_nothing_left(*launch)
 
 
 # -- one rank of one trial SIGKILLed while other trials run ------------------------------

@@ -360,7 +360,8 @@ class Pool:
         agents_left = any(a.proc.poll() is None for a in self.agents.values())
         if not agents_left:
             for rank in self.ranks.values():
-                if rank.proc.poll() is None and not rank.retiring:
+                # A rank still starting (not connected yet) is told once it says hello.
+                if rank.proc.poll() is None and not rank.retiring and rank.conn is not None:
                     rank.retiring = True
                     self._tell(rank, {"op": "exit", "why": "the search is over"})
         running = any(m.proc.poll() is None for m in self._members())
