@@ -47,9 +47,7 @@ def pool_command(tmp_path: Path, name: str, trials: int) -> list[str]:
     ]
 
 
-def start_pool(
-    tmp_path: Path, name: str, trials: int, *args: str, **env: str
-) -> Running:
+def start_pool(tmp_path: Path, name: str, trials: int, *args: str, **env: str) -> Running:
     return start(
         [*pool_command(tmp_path, name, trials), *args],
         tmp_path,

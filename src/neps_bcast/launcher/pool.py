@@ -403,15 +403,7 @@ class Pool:
             self.placement.set_available(index, False)
             order = self.orders.get(rank.order) if rank.order is not None else None
             if order is not None:
-                order.clean = False
-                if not order.answered and order.ranks and order.ranks[0] == index:
-                    self._lost(
-                        order,
-                        f"rank 0 of trial {order.trial} (device {index}, pid {rank.proc.pid})"
-                        f" {_exit_text(code)}",
-                    )
-                order.free.add(index)
-                self._maybe_release(order)
+                self._end_order_of_a_lost_rank(order, rank, code)
             over = not any(a.proc.poll() is None for a in self.agents.values())
             if self.stop_deadline is None and not over:
                 if not rank.retiring:
@@ -419,6 +411,30 @@ class Pool:
                         f"rank {index} {_exit_text(code)}: a fresh one takes its device."
                     )
                 self._start("rank", index)
+
+    def _end_order_of_a_lost_rank(self, order: Order, rank: Member, code: int) -> None:
+        """A rank of a running trial exited: the trial is over on every rank of it.
+
+        The agent hears that the trial lost its ranks (unless its rank 0 answered first:
+        its last words are read before deciding), and the trial's other ranks still in
+        it are killed at once: one that waits for the lost rank (to form the trial's
+        group, to join the control channel) would otherwise wait until the join timeout
+        (minutes), and every rank of an unclean trial is recycled anyway."""
+        order.clean = False
+        head = self.ranks.get(order.ranks[0]) if order.ranks else None
+        if head is not None and head is not rank and head.conn is not None:
+            self._read(head)
+        if not order.answered:
+            self._lost(
+                order,
+                f"rank {order.ranks.index(rank.index)} of trial {order.trial} (device"
+                f" {rank.index}, pid {rank.proc.pid}) {_exit_text(code)}",
+            )
+        for other in order.members:
+            if other is not rank and other.order == order.key and other.proc.poll() is None:
+                procfs.kill(other.proc.pid)
+        order.free.add(rank.index)
+        self._maybe_release(order)
 
     def _status(self) -> str:
         running = ", ".join(
