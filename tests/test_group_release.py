@@ -131,6 +131,32 @@ def test_endpoints_are_parsed_from_proc_net_tcp() -> None:
     listener.close()
 
 
+def test_own_listening_endpoints_are_the_ones_proc_net_tcp_lists() -> None:
+    """Asked of each socket (``own_listening``) or read from the host's tables: the same
+    endpoints, IPv4, IPv6 and IPv4 on every interface; a connection and a datagram or
+    Unix socket are not listening."""
+    listeners = []
+    for family, host in (
+        (socket.AF_INET, "127.0.0.1"),
+        (socket.AF_INET, "0.0.0.0"),
+        (socket.AF_INET6, "::"),
+    ):
+        s = socket.socket(family)
+        s.bind((host, 0))
+        s.listen()
+        listeners.append(s)
+    connected = socket.create_connection(("127.0.0.1", listeners[0].getsockname()[1]))
+    others = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM), socket.socket(socket.AF_UNIX)]
+    try:
+        mine = sockets.own_listening()
+        assert mine == sockets.listening(sockets.tcp_table(), sockets.socket_inodes())
+        assert {(str(s.getsockname()[0]), s.getsockname()[1]) for s in listeners} <= mine
+        assert ("127.0.0.1", connected.getsockname()[1]) not in mine
+    finally:
+        for s in [*listeners, connected, *others]:
+            s.close()
+
+
 @pytest.mark.parametrize(
     ("code", "expected"),
     [

@@ -70,8 +70,7 @@ class Peer:
 
 
 def this_process(group_rank: int) -> Peer:
-    table = sockets.tcp_table()
-    listen = sockets.listening(table, sockets.socket_inodes())
+    listen = sockets.own_listening()
     return Peer(group_rank, socket.gethostname(), os.getpid(), tuple(sorted(listen)))
 
 

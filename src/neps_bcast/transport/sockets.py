@@ -81,6 +81,32 @@ def socket_inodes(pid: int | None = None) -> dict[int, int]:
     return found
 
 
+def own_listening() -> set[Endpoint]:
+    """The TCP endpoints this process listens on, asked of each socket it holds.
+
+    The same answer as ``listening(tcp_table(), socket_inodes())``, without reading
+    the host's TCP tables: those took 6 ms each here (12 ms for the pair, more on a
+    busy host), on the path of every rank's start."""
+    found: set[Endpoint] = set()
+    for fd in socket_inodes().values():
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                if (
+                    sock.family in (socket.AF_INET, socket.AF_INET6)
+                    and sock.type == socket.SOCK_STREAM
+                    and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                ):
+                    host, port = sock.getsockname()[:2]
+                    ip = ipaddress.ip_address(str(host).split("%")[0])
+                    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                        ip = ip.ipv4_mapped
+                    found.add((str(ip), int(port)))
+            finally:
+                sock.close()
+    return found
+
+
 def listening(table: dict[int, TcpSocket], inodes: set[int] | dict[int, int]) -> set[Endpoint]:
     """The listening endpoints among ``inodes``."""
     return {table[i].local for i in inodes if i in table and table[i].state == LISTEN}
