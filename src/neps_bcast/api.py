@@ -131,7 +131,7 @@ def _run_in_pool(
         assert ranks_per_trial is not None  # checked up front
         pool_agent.run_agent(fn, pipeline_space, kwargs, ranks_per_trial, settings)
     else:
-        pool_rank.serve(fn, fingerprint(evaluate_pipeline, pipeline_space, kwargs), settings)
+        pool_rank.serve(fn, settings)
 
 
 def _signer(launch: Launch) -> Signer:

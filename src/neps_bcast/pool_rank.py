@@ -5,8 +5,10 @@ no CPU) for an order: "rank r of k for trial T, the rendezvous store at port P".
 looks exactly like a rank torchrun just started (torchrun's variables: ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK`` = r, ``TORCHELASTIC_USE_AGENT_STORE=True`` with the store
 the trial's agent serves), so Lightning, Fabric and PyTorch's tutorial code all form
-their group as under torchrun, and neps_bcast's own start and trial protocol are
-today's (``Runtime.start_external``, ``follower.run_follower``). The trial's rank 0
+their group as under torchrun, and neps_bcast's trial protocol is today's
+(``follower.run_follower``). Its start is shorter than an external launch's: no meeting
+and no handshake, the trial's secret derived from the pool's key and the order
+(``Runtime.start_in_pool``). The trial's rank 0
 takes the trial from its agent's order (sealed with the pool's key), hands it to its
 group, evaluates it and sends the outcome back.
 
@@ -92,7 +94,7 @@ def trial_environment(order: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def serve(fn: Callable[..., Any], fingerprint: dict[str, str], settings: Settings) -> None:
+def serve(fn: Callable[..., Any], settings: Settings) -> None:
     """A warm rank's whole life in ``neps_bcast.run``: trials until the launcher says
     the search is over (returns) or that this rank is recycled (``Recycled``)."""
     environ = os.environ
@@ -121,7 +123,7 @@ def serve(fn: Callable[..., Any], fingerprint: dict[str, str], settings: Setting
             clean = False
             try:
                 os.environ.update(trial_environment(order))
-                clean = _run_order(fn, fingerprint, settings, order, conn, key)
+                clean = _run_order(fn, settings, order, conn, key)
             finally:
                 if dist.is_initialized():
                     with contextlib.suppress(Exception):
@@ -136,7 +138,6 @@ def serve(fn: Callable[..., Any], fingerprint: dict[str, str], settings: Setting
 
 def _run_order(
     fn: Callable[..., Any],
-    fingerprint: dict[str, str],
     settings: Settings,
     order: dict[str, Any],
     conn: wire.Conn,
@@ -149,7 +150,9 @@ def _run_order(
     rt.devices = tuple(int(d) for d in order["devices"])
     with rt.activated():
         if launch.kind == "external":
-            rt.start_external(fingerprint)
+            rt.start_in_pool(
+                wire.derive(key, "trial secret", str(order["order"])), str(order["order"])
+            )
         try:
             if rt.group_rank == 0:
                 return _relay(rt, fn, order, conn, key)

@@ -114,6 +114,17 @@ class Runtime:
         self.observe_group()
         self.ensure_channel()
 
+    def start_in_pool(self, secret: bytes, order: str) -> None:
+        """A pool's trial: as ``start_external``, its secret from the order
+        (``startup.external.start_in_pool``)."""
+        started = external.start_in_pool(
+            self.launch, self.settings, self.link, self.signer, secret, order
+        )
+        self.group.keep = started.users_group
+        self.launcher_store = started.launcher_store
+        self.observe_group()
+        self.ensure_channel()
+
     # -- the user's group ------------------------------------------------------
     def observe_group(self) -> None:
         self.group.observe(

@@ -53,6 +53,14 @@ def _proof(key: str, *parts: str) -> str:
     return hmac.new(bytes.fromhex(key), "\0".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
+def derive(key: str, what: str, order: str) -> bytes:
+    """A secret for ``what`` of ``order`` that only holders of the pool's key can make
+    (HMAC-SHA256): every rank of a trial derives the same one, nobody else can."""
+    return hmac.new(
+        bytes.fromhex(key), f"derive\0{what}\0{order}".encode(), hashlib.sha256
+    ).digest()
+
+
 def seal(key: str, what: str, order: str, payload: bytes) -> str:
     """``payload`` for the wire: base64 of its MAC (bound to ``what`` and ``order``)
     and itself."""
