@@ -27,14 +27,14 @@ SCRIPT = SCRIPTS / "pool_search.py"
 POOL = 4
 
 
-def pool_command(tmp_path: Path, name: str, trials: int) -> list[str]:
+def pool_command(tmp_path: Path, name: str, trials: int, pool: int = POOL) -> list[str]:
     """The launch (its logs under ``tmp_path/name``); the NePS root is ``tmp_path/root``,
     the same for every launch of a test."""
     return [
         NEPS_BCAST,
         "launch",
         "--pool",
-        str(POOL),
+        str(pool),
         "--status-interval",
         "2",
         "--log-dir",
@@ -47,9 +47,9 @@ def pool_command(tmp_path: Path, name: str, trials: int) -> list[str]:
     ]
 
 
-def start_pool(tmp_path: Path, name: str, trials: int, *args: str, **env: str) -> Running:
+def start_pool(tmp_path: Path, name: str, trials: int, pool: int = POOL, **env: str) -> Running:
     return start(
-        [*pool_command(tmp_path, name, trials), *args],
+        pool_command(tmp_path, name, trials, pool),
         tmp_path,
         name=name,
         env={"POOL_RECORD": str(tmp_path / name / "rec"), **env},
@@ -150,23 +150,32 @@ class TestAPoolRunsTrialsOfTheirOwnSize:
         assert len({e["pid"] for e in records}) == POOL, {e["pid"] for e in records}
 
 
-# -- NePS refuses the search in every agent: the launch ends --------------------------------
-class TestASearchEveryAgentFailsEndsTheLaunch:
-    """A typo in the optimizer's name: NePS raises in every agent at its start, while
-    the ranks may still be importing. The launch ends, saying why; nothing is left."""
+# -- a rule that asks for more ranks than the pool has: refused before the search ----------
+class TestARuleTooWideForThePoolStopsTheLaunchBeforeTheSearch:
+    """The script's trials take up to 4 ranks (its config's ``ranks``), the pool has 2:
+    every agent refuses the rule on the space's corners before ``neps.run``, while the
+    ranks may still be importing. The launch ends saying why; no trial was sampled,
+    nothing is left."""
 
     @pytest.fixture(scope="class")
     def launch(self, tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
-        tmp = tmp_path_factory.mktemp("pool_refused")
-        return start_pool(tmp, "run", 4, "--optimizer", "no_such_optimizer").finish(), tmp
+        tmp = tmp_path_factory.mktemp("pool_too_wide")
+        return start_pool(tmp, "run", 4, pool=2).finish(), tmp
 
-    def test_the_launcher_exits_1_naming_the_error(self, launch: tuple[Result, Path]) -> None:
+    def test_the_launcher_exits_1_naming_the_rule_and_the_fix(
+        self, launch: tuple[Result, Path]
+    ) -> None:
         result, tmp = launch
         assert result.returncode == 1, pool_logs(tmp)
-        assert "no_such_optimizer" in result.log, result.log[-3000:]
+        assert "before the search starts: ranks_per_trial returned 4" in result.log, result.log[
+            -3000:
+        ]
+        assert "neps-bcast launch --pool D" in result.log
 
-    def test_nothing_is_left(self, launch: tuple[Result, Path]) -> None:
-        assert_nothing_left(*launch)
+    def test_no_trial_was_sampled_and_nothing_is_left(self, launch: tuple[Result, Path]) -> None:
+        result, tmp = launch
+        assert not result.root.exists()  # no agent reached neps.run
+        assert_nothing_left(result, tmp)
 
 
 # -- one rank of one trial SIGKILLed while other trials run ------------------------------

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import neps
 import pytest
 
 from neps_bcast.api import _check_ranks_per_trial
 from neps_bcast.errors import NepsBcastError
 from neps_bcast.launcher import wire
-from neps_bcast.pool_agent import trial_size
+from neps_bcast.pool_agent import check_up_front, trial_size
 from neps_bcast.pool_rank import trial_environment
 
 
@@ -186,6 +187,37 @@ def test_a_ranks_per_trial_that_raises_names_its_error_and_the_config() -> None:
     assert "ranks_per_trial raised KeyError: 'missing' for the config {'epochs': 1}" in str(
         info.value
     )
+
+
+class FidelitySpace(neps.PipelineSpace):
+    lr = neps.Float(1e-3, 1e-1, log=True)
+    optimizer = neps.Categorical(choices=("adam", "sgd"))
+    epochs = neps.IntegerFidelity(1, 27)
+
+
+def test_a_rule_too_wide_for_the_pool_at_the_top_fidelity_is_refused_before_the_search() -> None:
+    def rule(config: dict[str, Any]) -> int:
+        return 1 if config["epochs"] <= 3 else 8
+
+    check_up_front(rule, FidelitySpace(), 8, "[agent]")
+    with pytest.raises(NepsBcastError) as info:
+        check_up_front(rule, FidelitySpace(), 4, "[agent]")
+    text = str(info.value)
+    assert "before the search starts: ranks_per_trial returned 8" in text
+    assert "'epochs': 27" in text
+    assert "from 1 to 4" in text
+
+
+def test_a_rule_that_breaks_on_one_categorical_choice_is_refused_before_the_search() -> None:
+    def rule(config: dict[str, Any]) -> int:
+        return {"adam": 1}[config["optimizer"]]
+
+    with pytest.raises(NepsBcastError, match="raised KeyError: 'sgd'"):
+        check_up_front(rule, FidelitySpace(), 4, "[agent]")
+
+
+def test_a_space_neps_cannot_convert_leaves_the_check_to_each_trial() -> None:
+    check_up_front(lambda c: 99, object(), 4, "[agent]")
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from neps_bcast import leader
+from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.config import Settings
@@ -42,16 +43,20 @@ def pool_size(environ: Mapping[str, str]) -> int:
     return int(environ[wire.ENV_POOL_SIZE])
 
 
-def trial_size(ranks_per_trial: RanksPerTrial, config: dict[str, Any], size: int, tag: str) -> int:
+def trial_size(
+    ranks_per_trial: RanksPerTrial, config: dict[str, Any], size: int, tag: str, when: str = ""
+) -> int:
     """``ranks_per_trial(config)``, checked: an int in 1..size, else ``NepsBcastError``
-    naming the value, the config and the fix (the trial is recorded crashed with it)."""
+    naming the value, the config and the fix (the trial is recorded crashed with it).
+    ``when``: what starts the error's text (the check before the search)."""
     try:
         value = ranks_per_trial(config)
     except Exception as exc:
         raise NepsBcastError(
             format_message(
                 tag,
-                f"ranks_per_trial raised {type(exc).__name__}: {exc} for the config {config}.",
+                f"{when}ranks_per_trial raised {type(exc).__name__}: {exc} for the config"
+                f" {config}.",
                 "make ranks_per_trial return a number of ranks for every config of the space.",
             )
         ) from exc
@@ -63,13 +68,24 @@ def trial_size(ranks_per_trial: RanksPerTrial, config: dict[str, Any], size: int
         raise NepsBcastError(
             format_message(
                 tag,
-                f"ranks_per_trial returned {value!r} for the config {config}; expected an int"
+                f"{when}ranks_per_trial returned {value!r} for the config {config}; expected an int"
                 f" from 1 to {size} (the pool's devices).",
                 f"return a whole number of ranks in 1..{size}, or start a larger pool"
                 " (neps-bcast launch --pool D).",
             )
         )
     return ranks
+
+
+def check_up_front(
+    ranks_per_trial: RanksPerTrial, pipeline_space: Any, size: int, tag: str
+) -> None:
+    """``ranks_per_trial`` on the space's corners (``compat.neps.corner_configs``: every
+    fidelity at its ends), before the search starts: a rule that gives a trial more
+    ranks than the pool has stops every agent at once, naming the config, instead of
+    crashing the search's most expensive trials one by one."""
+    for config in neps_compat.corner_configs(pipeline_space):
+        trial_size(ranks_per_trial, config, size, tag, when="before the search starts: ")
 
 
 class Remote:
@@ -164,6 +180,7 @@ def run_agent(
         kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
     )
     rt = Runtime(launch, settings, Signer(new_secret()))
+    check_up_front(ranks_per_trial, pipeline_space, pool_size(environ), rt.tag)
     remote = Remote(conn, environ[wire.ENV_POOL_KEY], pool_size(environ), ranks_per_trial)
     with rt.activated():
         try:

@@ -85,7 +85,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trials", type=int, default=8)
     parser.add_argument("--root", default="results/pool")
-    parser.add_argument("--optimizer", default="random_search")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     neps_bcast.run(
@@ -93,7 +92,7 @@ def main() -> None:
         pipeline_space=Space(),
         root_directory=args.root,
         total_evaluations_to_spend=args.trials,
-        optimizer=args.optimizer,
+        optimizer="random_search",
         ignore_errors=True,
         ranks_per_trial=lambda config: config["ranks"],
     )

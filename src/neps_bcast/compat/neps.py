@@ -100,6 +100,47 @@ def classic_form(space: object) -> object | None:
     return convert_neps_to_classic_search_space(space)
 
 
+def corner_configs(space: object, most: int = 32) -> list[dict[str, Any]]:
+    """A few configs of ``space`` at its corners, to check a function of the config
+    before the search starts: every fidelity at its lowest and at its highest value,
+    with the numerical parameters all at their lower bound, centre or upper bound, and
+    each categorical choice in turn (the other categoricals at their centre). At most
+    ``most``; none if NePS gives the space no classic form (the check is then left to
+    each trial)."""
+    try:
+        classic = space if hasattr(space, "elements") else classic_form(space)
+    except Exception:  # noqa: BLE001 - NePS reports a bad space itself, in neps.run
+        return []
+    elements = getattr(classic, "elements", None)
+    if not isinstance(elements, dict):
+        return []
+
+    def at(param: Any, where: str) -> Any:
+        if hasattr(param, "choices"):
+            return param.center
+        if hasattr(param, "lower"):
+            return {"lower": param.lower, "center": param.center, "upper": param.upper}[where]
+        return getattr(param, "value", None)
+
+    fidelities = [n for n, p in elements.items() if getattr(p, "is_fidelity", False)]
+    found: list[dict[str, Any]] = []
+    for end in ("lower", "upper"):
+        base = {n: at(p, "center") for n, p in elements.items()}
+        base.update({n: at(elements[n], end) for n in fidelities})
+        for where in ("lower", "center", "upper"):
+            found.append(
+                {**base, **{n: at(p, where) for n, p in elements.items() if n not in fidelities}}
+            )
+        for name, param in elements.items():
+            for choice in getattr(param, "choices", ()):
+                found.append({**base, name: choice})
+    unique: list[dict[str, Any]] = []
+    for config in found:
+        if config not in unique:
+            unique.append(config)
+    return unique[:most]
+
+
 def classic_parameters(space: object) -> dict[str, tuple[str, tuple[tuple[str, str], ...]]] | None:
     """A classic ``SearchSpace``'s parameters, independent of the order NePS happened to
     give categorical choices: it builds them with ``list(set(choices))``, so the order (and
