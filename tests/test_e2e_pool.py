@@ -11,6 +11,7 @@ left.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 from collections import defaultdict
 from pathlib import Path
@@ -176,6 +177,57 @@ class TestARuleTooWideForThePoolStopsTheLaunchBeforeTheSearch:
         result, tmp = launch
         assert not result.root.exists()  # no agent reached neps.run
         assert_nothing_left(result, tmp)
+
+
+# -- Lightning Fabric in the pool, as its docs write it ---------------------------------
+class TestFabricTrialsInAPool:
+    """``tests/scripts/fabric_search.py --pool-sized``: ``L.Fabric(devices=trial.devices,
+    strategy="ddp")`` and ``fabric.launch()`` inside the session, each trial on 1 or 2
+    of a pool of 2 ranks by its config's ``hidden``."""
+
+    TRIALS = 6
+
+    @pytest.fixture(scope="class")
+    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
+        tmp = tmp_path_factory.mktemp("pool_fabric")
+        command = [
+            NEPS_BCAST,
+            "launch",
+            "--pool",
+            "2",
+            "--log-dir",
+            str(tmp / "run" / "logs"),
+            str(SCRIPTS / "fabric_search.py"),
+            "--pool-sized",
+            "--trials",
+            str(self.TRIALS),
+            "--root",
+            str(tmp / "root"),
+        ]
+        return start(command, tmp, name="run", timeout=420.0).finish(), tmp
+
+    def test_every_trial_is_a_success_and_nothing_is_left(
+        self, launch: tuple[Result, Path]
+    ) -> None:
+        result, tmp = launch
+        assert result.returncode == 0, pool_logs(tmp)
+        assert states(result.root) == {str(i): "success" for i in range(1, self.TRIALS + 1)}
+        assert_nothing_left(result, tmp)
+
+    def test_each_trial_ran_on_its_size_with_one_config_on_every_rank(
+        self, launch: tuple[Result, Path]
+    ) -> None:
+        by_trial: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for e in launch[0].events:
+            if e["event"] == "trial":
+                by_trial[e["trial_id"]].append(e)
+        assert sorted(by_trial) == sorted(str(i) for i in range(1, self.TRIALS + 1))
+        for trial, ranks in by_trial.items():
+            size = 1 if ranks[0]["config"]["hidden"] <= 8 else 2
+            assert sorted(e["rank"] for e in ranks) == list(range(size)), (trial, ranks)
+            # world_size is None until a process group exists (Fabric forms none for 1)
+            assert {e["world_size"] for e in ranks} == {size if size > 1 else None}, ranks
+            assert len({json.dumps(e["config"], sort_keys=True) for e in ranks}) == 1, ranks
 
 
 # -- one rank of one trial SIGKILLed while other trials run ------------------------------

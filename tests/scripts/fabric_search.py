@@ -39,7 +39,9 @@ def evaluate_pipeline(lr: float, hidden: int, activation: str) -> float:
     with neps_bcast.session() as trial:
         probe.trial(trial)
         faults.at("session")
-        fabric = L.Fabric(accelerator="cpu", devices=ARGS.devices, strategy="ddp")
+        # In a pool (--pool-sized) the trial says how many: Lightning's docs' devices=N.
+        devices = trial.devices if ARGS.pool_sized else ARGS.devices
+        fabric = L.Fabric(accelerator="cpu", devices=devices, strategy="ddp")
         fabric.launch()
         model = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=lr))
@@ -61,6 +63,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--root", default="results")
+    parser.add_argument(
+        "--pool-sized",
+        action="store_true",
+        help="under neps-bcast launch --pool: 1 rank for a narrow model, 2 for a wide one",
+    )
     parser.parse_args(namespace=ARGS)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s"
@@ -72,6 +79,11 @@ def main() -> None:
         root_directory=ARGS.root,
         total_evaluations_to_spend=ARGS.trials,
         optimizer="random_search",
+        **(
+            {"ranks_per_trial": lambda config: 1 if config["hidden"] <= 8 else 2}
+            if ARGS.pool_sized
+            else {}
+        ),
     )
 
 
