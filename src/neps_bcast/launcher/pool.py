@@ -47,6 +47,11 @@ from neps_bcast.launcher.plan import ENV_LAUNCH_ID, SLURM_TASK_VARIABLES, TAG
 ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
 """GPU pools: the ``CUDA_VISIBLE_DEVICES`` entries of the pool, in device order."""
 
+AGENT_RESTARTS = 3
+"""Fresh agents started for one agent index killed by a signal (SIGKILL, the OOM
+killer); one killed more often than this fails the launch as an agent that exits
+non-zero does."""
+
 
 @dataclass(frozen=True)
 class PoolPlan:
@@ -116,6 +121,7 @@ class Pool:
         self.killed = False
         self.done = 0
         self.failed_agents: list[tuple[int, int]] = []
+        self.agent_restarts: dict[int, int] = {}
         self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
         self.path = str(self.folder / "pool.sock")
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -368,7 +374,7 @@ class Pool:
         return running
 
     def _reap_agents(self) -> None:
-        for agent in self.agents.values():
+        for agent in list(self.agents.values()):
             code = agent.proc.poll()
             if code is None or agent.reaped:
                 continue
@@ -380,6 +386,8 @@ class Pool:
                 if not order.ranks:  # still waiting: withdrawn
                     self.placement.cancel(order.key)
                     self.orders.pop(order.key, None)
+            if code < 0 and self._replace_agent(agent, code):
+                continue
             if code != 0:
                 self.failed_agents.append((agent.index, code))
                 if self.stop_deadline is None:
@@ -387,6 +395,27 @@ class Pool:
                         f"agent {agent.index} failed (exit {code}); the others go on."
                         f" The end of {agent.log}:\n{status.tail(agent.log, 12)}"
                     )
+
+    def _replace_agent(self, agent: Member, code: int) -> bool:
+        """An agent killed by a signal (not by this launcher's stop) is a lost NePS
+        worker, as a killed rank is a lost device: a fresh agent takes its place. Its
+        trial, left ``evaluating`` with the dead agent's lease, is proven dead by the
+        fresh agent's look for orphans at its start (same host, the pid gone) and goes
+        back to pending, which NePS hands out first. The ranks running that trial finish
+        it; its outcome has nobody to go to. False when the launch is stopping or the
+        index was replaced ``AGENT_RESTARTS`` times already."""
+        if self.stop_deadline is not None or self.killed:
+            return False
+        done = self.agent_restarts.get(agent.index, 0)
+        if done >= AGENT_RESTARTS:
+            return False
+        self.agent_restarts[agent.index] = done + 1
+        self.display.say(
+            f"agent {agent.index} {_exit_text(code)}: a fresh one takes its place (its trial"
+            f" goes back to pending). The end of {agent.log}:\n{status.tail(agent.log, 12)}"
+        )
+        self._start("agent", agent.index)
+        return True
 
     def _reap_ranks(self, now: float) -> None:
         for index, rank in list(self.ranks.items()):
