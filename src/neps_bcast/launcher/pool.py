@@ -47,10 +47,19 @@ from neps_bcast.launcher.plan import ENV_LAUNCH_ID, SLURM_TASK_VARIABLES, TAG
 ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
 """GPU pools: the ``CUDA_VISIBLE_DEVICES`` entries of the pool, in device order."""
 
+LOST_PEER_GRACE_S = 10.0
+"""How long the ranks of a trial that lost one of its processes (a rank, or its agent)
+have to leave it before the launcher SIGKILLs them. A peer lost in a collective is seen
+in milliseconds (gloo); one lost before it joined the trial's group is not: the others
+wait in the rendezvous (on the agent's store) for ``NEPS_BCAST_JOIN_TIMEOUT_S`` (300 s),
+holding their devices (found by the pool's fault sweep: SIGKILL to a rank at its order,
+to an agent once it asked)."""
+
 AGENT_RESTARTS = 3
-"""Fresh agents started for one agent index killed by a signal (SIGKILL, the OOM
-killer); one killed more often than this fails the launch as an agent that exits
-non-zero does."""
+"""Fresh agents started for one agent index that was killed (SIGKILL, the OOM killer)
+or failed (its NePS raised) while the search went on; past this, a lost agent is not
+replaced. A failed agent still decides the launch's exit status (its code); a killed
+one that was replaced does not."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ class Order:
     answered: bool = False
     clean: bool = True
     asked_at: float = 0.0
+    lost_at: float | None = None
+    """When one of its ranks died (its other ranks then have ``LOST_PEER_GRACE_S``)."""
 
 
 class Pool:
@@ -362,6 +373,7 @@ class Pool:
             self.killed = True
         self._reap_agents()
         self._reap_ranks(now)
+        self._end_orphaned_ranks(now)
         self._place(now)
         agents_left = any(a.proc.poll() is None for a in self.agents.values())
         if not agents_left:
@@ -386,10 +398,16 @@ class Pool:
                 if not order.ranks:  # still waiting: withdrawn
                     self.placement.cancel(order.key)
                     self.orders.pop(order.key, None)
-            if code < 0 and self._replace_agent(agent, code):
+                elif order.lost_at is None:
+                    # Placed: its outcome has nobody to go to, and ranks not yet in its
+                    # group wait for the agent's store, gone with it.
+                    order.lost_at = time.monotonic()
+            replaced = code != 0 and self._replace_agent(agent, code)
+            if code > 0 or (code < 0 and not replaced):
+                self.failed_agents.append((agent.index, code))  # a killed one replaced: not
+            if replaced:
                 continue
             if code != 0:
-                self.failed_agents.append((agent.index, code))
                 if self.stop_deadline is None:
                     self.display.say(
                         f"agent {agent.index} failed (exit {code}); the others go on."
@@ -397,8 +415,8 @@ class Pool:
                     )
 
     def _replace_agent(self, agent: Member, code: int) -> bool:
-        """An agent killed by a signal (not by this launcher's stop) is a lost NePS
-        worker, as a killed rank is a lost device: a fresh agent takes its place. Its
+        """An agent killed by a signal or failed (not by this launcher's stop) is a lost
+        NePS worker, as a killed rank is a lost device: a fresh agent takes its place. Its
         trial, left ``evaluating`` with the dead agent's lease, is proven dead by the
         fresh agent's look for orphans at its start (same host, the pid gone) and goes
         back to pending, which NePS hands out first. The ranks running that trial finish
@@ -439,6 +457,8 @@ class Pool:
                         f" {_exit_text(code)}",
                     )
                 order.free.add(index)
+                if order.lost_at is None:
+                    order.lost_at = now
                 self._maybe_release(order)
             over = not any(a.proc.poll() is None for a in self.agents.values())
             if self.stop_deadline is None and not over:
@@ -447,6 +467,24 @@ class Pool:
                         f"rank {index} {_exit_text(code)}: a fresh one takes its device."
                     )
                 self._start("rank", index)
+
+    def _end_orphaned_ranks(self, now: float) -> None:
+        """A trial that lost a rank or its agent: its ranks still in it after ``LOST_PEER_GRACE_S``
+        are SIGKILLed (a rank waiting in the trial's rendezvous for the lost one would
+        hold its device for the join timeout); each is then reaped as a lost rank, and
+        a fresh one takes its device."""
+        for order in list(self.orders.values()):
+            if order.lost_at is None or now < order.lost_at + LOST_PEER_GRACE_S:
+                continue
+            order.lost_at = float("inf")  # once
+            for rank in order.members:
+                if rank.index not in order.free and rank.proc.poll() is None:
+                    self.display.say(
+                        f"rank {rank.index} (pid {rank.proc.pid}) is still in trial"
+                        f" {order.trial} {LOST_PEER_GRACE_S:.0f} s after it lost a process:"
+                        " SIGKILL; a fresh one takes its device."
+                    )
+                    procfs.kill(rank.proc.pid)
 
     def _status(self) -> str:
         running = ", ".join(
