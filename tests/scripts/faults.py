@@ -280,7 +280,9 @@ def _pool_pids(whom: str) -> list[int]:
     chosen = [
         pid
         for pid, rank in ranks.items()
-        if (rank == int(one.group(1)) if one else whom == "all" or (rank == 0) == (whom == "leader"))
+        if (
+            rank == int(one.group(1)) if one else whom == "all" or (rank == 0) == (whom == "leader")
+        )
     ]
     return sorted(chosen, key=lambda pid: pid == os.getpid())
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import faults  # noqa: E402
-import neps  # noqa: E402
-import probe  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import faults
+import neps
+import probe
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import neps_bcast  # noqa: E402
+import neps_bcast
 
 ARGS = argparse.Namespace()
 
