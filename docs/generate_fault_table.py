@@ -136,8 +136,59 @@ def render_page(t: ModuleType) -> str:
             want = t.expect("torchrun3", p, f)
             if not isinstance(want, t.Unreachable):
                 out.append(f"| `{p.name}` | `{f.name}` | {codes(t.bystander(p, want, f))} |")
+    out += render_pool(t)
     out.append("")
     return "\n".join(out)
+
+
+def render_pool(t: ModuleType) -> list[str]:
+    out = [
+        "",
+        "## The pool",
+        "",
+        "`neps-bcast launch --pool 2` with trials of 2 ranks each (tests/sweep/"
+        "pool_fault_search.py): two warm ranks and two agents (each one NePS worker, no"
+        " device); trials run one after another. A fault on one trial's processes touches"
+        " that trial alone, and the launch goes on: the cells of one launch below each"
+        " land on a trial of their own (trial 2, 3, ... by NePS's id), and the launch"
+        " itself must finish the budget. A fault to the launcher ends its launch: its"
+        " cells share a root, each launch the previous one's rerun, and a last run"
+        " finishes the budget. Each cell checks its trial's state and whether it was put"
+        " back and run again (its lease's attempts), the exit status of the process the"
+        " fault hit and of the trial's other ranks, that every other process exits 0 (a"
+        " stopped launch: 143, or 0), that every rank of a trial got the same config, and"
+        " that nothing is left alive.",
+        "",
+        "| step | where | reached by |",
+        "|---|---|---|",
+    ]
+    out += [f"| `{p.name}` | {p.what} | {p.owner} |" for p in t.POOL_POINTS]
+    out += ["", "| fault | what |", "|---|---|"]
+    out += [f"| `{f.name}` | {f.what} |" for f in t.POOL_FAULTS]
+    out += [
+        "",
+        "| launch | step | fault | rule | the trial after the launch | the process hit |"
+        " the trial's other ranks | launcher |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for chain, cells in t.POOL_CHAINS.items():
+        for point, fault in cells:
+            want = t.pool_expect(t.POOL_POINT[point], t.POOL_FAULT[fault])
+            note = f" ({want.note})" if want.note else ""
+            trial = " or ".join(sorted(want.trial))
+            if want.retried:
+                trial += ", run again"
+            if want.stops:
+                trial += "; the same command again finishes the budget"
+            hit = codes(want.victim) if want.victim else "-"
+            peers = codes(want.peers) if want.peers else "-"
+            if want.stops:
+                hit, peers = "every agent and rank:", peers
+            out.append(
+                f"| {chain} | `{point}` | `{fault}` | {want.row}{note} | {trial} | {hit}"
+                f" | {peers} | {codes(want.launcher)} |"
+            )
+    return out
 
 
 def render_failures(t: ModuleType, current: str) -> str:

@@ -188,7 +188,9 @@ def _hand_and_evaluate(
                     for r in terminated
                 )
                 + f" in trial {info.trial_id}.",
-                "the search stops here (its group lost a rank); the trial goes back to"
+                "the trial goes back to pending and runs again on fresh ranks (a pool goes on)."
+                if run_trial
+                else "the search stops here (its group lost a rank); the trial goes back to"
                 " pending, and running the same command again evaluates it.",
             )
         )

@@ -6,7 +6,9 @@
 One fault is ``KIND:WHO[:trial=N][:at=POINT][:to=WHOM][:s=SECONDS][:until=PATH]``;
 several are separated by commas.
 
-- WHO: ``leader`` (rank 0), ``follower`` (rank 1) or ``all``.
+- WHO: ``leader`` (rank 0), ``follower`` (rank 1) or ``all``. In a pool
+  (``neps-bcast launch --pool``): the trial's group rank 0 or 1 or every rank of the
+  trial, or ``agent`` (the NePS worker that holds the trial; never a rank).
 - ``trial=N``: the process's N-th evaluation (1-based, in the order it evaluates them; at
   ``sample``: while NePS samples the next one after the N-th). Without it: every trial.
 - POINT (``fit`` unless given): where the scripts call ``faults.at(POINT)``: ``before``
@@ -22,10 +24,21 @@ several are separated by commas.
   trial-end exchange), ``orphans`` (the leader, before it looks for orphans, before
   the trial's lease), ``form`` (every rank, before the group is formed again for the trial), and
   ``stop`` (the leader, before it sends STOP at the end of the search).
+- ``id=T`` (a pool): the trial NePS calls ``T``, whichever processes run it; in a pool
+  every fault fires at most once per launch (a fresh rank started after a fault counts
+  its trials from 1 again), the first time a process of its role reaches the point
+  (for that trial, with ``id``). The pool's own points (hooked here): ``order`` (a rank
+  got its order for a trial, before it joins the group), ``done`` (a rank's part of the
+  trial is over, the outcome sent, before it tells the launcher it is free), ``ask``
+  (the agent asked the launcher for ranks: the launcher places the trial), ``stop``
+  (the agent, its search over, before it tells the ranks).
 - ``to=WHOM`` (a signal kind only): the process at the point signals ``leader``,
   ``follower`` or ``all`` (every rank of that role, the others first), or ``rankN``
   (that one rank, of several followers) instead of itself, read from the launch's
-  "start" records: a fault that lands on one process while another is at a step.
+  "start" records: a fault that lands on one process while another is at a step. In a
+  pool: the trial's ranks by group rank (its "pool_trial" records), ``agent`` (the
+  agent that holds the trial) or ``launcher`` (the pool's launcher, every process's
+  parent).
 - KIND: ``raise`` (ValueError "injected failure on rank R at POINT"), ``sigkill``,
   ``sigterm``, ``sigterm2`` (SIGTERM, and a second one ``s`` seconds later, from a thread),
   ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
@@ -56,7 +69,13 @@ from typing import Any
 
 from probe import SEQ, my_rank, record
 
-WHO = {"leader": 0, "follower": 1, "all": None}
+AGENT = -1
+WHO = {"leader": 0, "follower": 1, "all": None, "agent": AGENT}
+TO = ("leader", "follower", "all", "agent", "launcher")
+POOL_ROLE = os.environ.get("NEPS_BCAST_POOL_ROLE")
+"""``agent`` or ``rank`` in a process of a pool (the launcher's variable), else None."""
+CURRENT: dict[str, Any] = {"id": None, "rank": None}
+"""A pool process: the trial it is at (NePS's id) and its group rank in it (a rank)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +88,9 @@ class Fault:
     until: str = ""
     to: str = ""
     """Whom a signal kind signals: "" (this process), "leader", "follower", "all" or
-    "rankN" (the one process of group rank N)."""
+    "rankN" (the one process of group rank N); in a pool also "agent", "launcher"."""
+    trial_id: str | None = None
+    """A pool: the NePS trial id the fault lands in (None: the first that comes)."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -77,16 +98,23 @@ def parse(spec: str) -> list[Fault]:
     for text in filter(None, (part.strip() for part in spec.split(","))):
         kind, who, *options = text.split(":")
         keys = dict(option.split("=", 1) for option in options)
-        unknown = set(keys) - {"trial", "at", "s", "until", "to"}
+        unknown = set(keys) - {"trial", "at", "s", "until", "to", "id"}
         to = keys.get("to", "leader")
-        if who not in WHO or unknown or not (to in WHO or _RANK_N.fullmatch(to)):
+        if who not in WHO or unknown or not (to in TO or _RANK_N.fullmatch(to)):
             raise ValueError(f"NB_FAULT: cannot read {text!r}")
         trial = int(keys["trial"]) if "trial" in keys else None
         seconds = float(keys.get("s", 1.0))
         at_point = keys.get("at", "fit")
         faults.append(
             Fault(
-                kind, WHO[who], trial, at_point, seconds, keys.get("until", ""), keys.get("to", "")
+                kind,
+                WHO[who],
+                trial,
+                at_point,
+                seconds,
+                keys.get("until", ""),
+                keys.get("to", ""),
+                keys.get("id"),
             )
         )
     return faults
@@ -109,9 +137,36 @@ def _indexed(kind: str | None, point: str | None, trial: int) -> list[tuple[int,
         for i, f in enumerate(FAULTS)
         if (kind is None or f.kind == kind)
         and (point is None or f.at == point)
-        and f.rank in (None, my_rank())
-        and f.trial in (None, trial)
+        and _is_me(f)
+        and (f.trial in (None, trial) if POOL_ROLE is None else _this_trial(f))
     ]
+
+
+def _is_me(f: Fault) -> bool:
+    if POOL_ROLE is None:
+        return f.rank in (None, my_rank())
+    if f.rank == AGENT:
+        return POOL_ROLE == "agent"
+    rank = CURRENT["rank"] if CURRENT["rank"] is not None else my_rank()
+    return POOL_ROLE == "rank" and f.rank in (None, rank)
+
+
+def _this_trial(f: Fault) -> bool:
+    return f.trial_id in (None, CURRENT["id"])
+
+
+def _first_in_the_launch(i: int) -> bool:
+    """A pool: claim fault ``i`` for this launch (a file under the records); False when
+    another process (or an earlier rank on this device) fired it already."""
+    from probe import RECORD
+
+    assert RECORD is not None, "a pool's fault needs NB_RECORD_DIR"
+    RECORD.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(RECORD / f"fired-{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
@@ -122,11 +177,21 @@ def at(point: str, upcoming: bool = False) -> None:
     a step of a trial before its function is called, while SEQ still counts the last)."""
     seq = SEQ["n"] + 1 if upcoming else SEQ["n"]
     for i, f in _indexed(None, point, seq):
-        if (i, seq) in FIRED:
+        if (i, seq) in FIRED or (POOL_ROLE is not None and not _first_in_the_launch(i)):
             continue
         FIRED.add((i, seq))
         targets = _pids(f.to) if f.to else [os.getpid()]
-        record("fault", kind=f.kind, where=point, seq=seq, rank=my_rank(), to=f.to, pids=targets)
+        record(
+            "fault",
+            kind=f.kind,
+            where=point,
+            seq=seq,
+            rank=my_rank(),
+            to=f.to,
+            pids=targets,
+            trial_id=CURRENT["id"],
+            role=POOL_ROLE,
+        )
         if f.kind == "raise":
             raise ValueError(f"injected failure on rank {my_rank()} at {point}")
         if f.kind in SIGNALS:
@@ -170,12 +235,47 @@ def _pids(whom: str) -> list[int]:
     from probe import RECORD
 
     assert RECORD is not None, "a fault with to= needs NB_RECORD_DIR"
+    if POOL_ROLE is not None:
+        return _pool_pids(whom)
     ranks: dict[int, int] = {}
     for path in RECORD.glob("pid*.jsonl"):
         for line in path.read_text().splitlines():
             event = json.loads(line)
             if event["event"] == "start":
                 ranks[event["pid"]] = event["proc_rank"]
+    one = _RANK_N.fullmatch(whom)
+    chosen = [
+        pid
+        for pid, rank in ranks.items()
+        if (
+            rank == int(one.group(1)) if one else whom == "all" or (rank == 0) == (whom == "leader")
+        )
+    ]
+    return sorted(chosen, key=lambda pid: pid == os.getpid())
+
+
+def _pool_pids(whom: str) -> list[int]:
+    """A pool: the processes of this process's trial (``CURRENT``) by their role in it,
+    from the launch's "pool_trial" (a rank's part of a trial) and "neps_trial" (the
+    agent's trial) records; ``launcher``: the parent of every pool process."""
+    from probe import RECORD
+
+    assert RECORD is not None
+    if whom == "launcher":
+        return [os.getppid()]
+    ranks: dict[int, int] = {}
+    agents: list[int] = []
+    for path in RECORD.glob("pid*.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("trial_id") != CURRENT["id"]:
+                continue
+            if event["event"] == "pool_trial":
+                ranks[event["pid"]] = event["group_rank"]
+            elif event["event"] == "neps_trial":
+                agents.append(event["pid"])
+    if whom == "agent":
+        return agents[-1:]
     one = _RANK_N.fullmatch(whom)
     chosen = [
         pid
@@ -213,6 +313,40 @@ def install() -> None:
         _hook_reform()
     if "settle" in points:
         _hook_settle()
+    if POOL_ROLE is not None and FAULTS:
+        _hook_pool()
+
+
+def _hook_pool() -> None:
+    """A pool's processes: each rank records its part of each trial ("pool_trial": the
+    trial's id and its group rank, before it joins the group) and reaches ``order``
+    there and ``done`` after it; the agent reaches ``ask`` once it asked the launcher
+    for ranks. ``CURRENT`` follows the trial each process is at."""
+    from neps_bcast import pool_rank
+    from neps_bcast.launcher import wire
+
+    real_order = pool_rank._run_order
+    real_send = wire.Conn.send
+
+    def run_order(*args: Any, **kwargs: Any) -> Any:
+        order = args[3] if len(args) > 3 else kwargs["order"]
+        CURRENT.update(id=str(order["trial"]), rank=int(order["rank"]))
+        record("pool_trial", trial_id=CURRENT["id"], group_rank=CURRENT["rank"])
+        try:
+            at("order")  # the rank has its order; the trial's group is not formed yet
+            clean = real_order(*args, **kwargs)
+            at("done")  # its part is over (rank 0: the outcome sent); not yet free
+            return clean
+        finally:
+            CURRENT.update(id=None, rank=None)
+
+    def send(self: Any, message: dict[str, Any]) -> None:
+        real_send(self, message)
+        if POOL_ROLE == "agent" and message.get("op") == "ask":
+            at("ask")  # the launcher places the trial now
+
+    pool_rank._run_order = run_order
+    wire.Conn.send = send  # type: ignore[method-assign]
 
 
 def _hook_settle() -> None:
@@ -249,6 +383,7 @@ def _record_neps_order() -> None:
     def evaluating(*args: Any, **kwargs: Any) -> Any:
         trial = kwargs.get("trial", args[0] if args else None)
         record("neps_trial", trial_id=str(getattr(trial, "id", "?")))
+        CURRENT["id"] = str(getattr(trial, "id", "?"))  # a pool's agent: its trial now
         return real(*args, **kwargs)
 
     neps.runtime.evaluate_trial = evaluating
@@ -265,6 +400,9 @@ def _hook_neps() -> None:
         return real_sample(self, *args, **kwargs)
 
     def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        trial = kwargs.get("trial", args[0] if args else None)
+        if POOL_ROLE is not None:
+            CURRENT["id"] = str(getattr(trial, "id", CURRENT["id"]))
         at("record")
         return real_report(self, *args, **kwargs)
 

@@ -183,6 +183,24 @@ ROWS = (
         "1 (-2 where Python re-raises SIGINT on itself)",
     ),
     Row(
+        "pool_lost",
+        "in a pool (`neps-bcast launch --pool`), a process of one trial is lost: one of its"
+        " ranks is killed or terminated, or its agent (the NePS worker) is killed",
+        "`pending`; the pool's other trials go on",
+        "the same launch, on fresh ranks (a killed agent: the fresh agent the launcher"
+        " starts in its place proves the trial's lease dead at its start)",
+        "the lost process its signal's; the trial's other ranks 0, 1 where they saw it"
+        " lost, or -9 where they still waited for it 10 s later; the launch 0",
+    ),
+    Row(
+        "pool_stopped",
+        "SIGTERM or Ctrl-C to a pool's launcher",
+        "`pending`, every trial running or waiting for ranks",
+        "the same command again",
+        "the launcher 128 + the signal (143, 130); every agent and rank 143 (a rank told"
+        " the search is over first: 0; one with nothing to settle: -15)",
+    ),
+    Row(
         "between_trials",
         "any of these between two trials (while NePS records the last and samples the"
         " next): the stop waits for the leader's next step",
@@ -510,3 +528,304 @@ CELLS = [
     for f in FAULTS
     if not isinstance(expect(launcher, p, f), Unreachable)
 ]
+
+
+# -- the pool: ``neps-bcast launch --pool 2``, trials of 2 ranks ---------------------------
+POOL = "pool"
+"""``neps-bcast launch --pool 2`` (tests/sweep/pool_fault_search.py): two warm ranks and
+two agents (each one NePS worker, no device); every trial takes both ranks, so trials
+run one after another, in the order their agents asked. Each trial forms a DDP group of
+its own (PyTorch's tutorial), its rank 0 sends the outcome to the agent through the
+launcher."""
+
+
+@dataclass(frozen=True)
+class PoolPoint:
+    name: str
+    what: str
+    owner: str
+    """Who reaches the step: "rank" (each rank of the trial) or "agent"."""
+
+
+POOL_POINTS = (
+    PoolPoint(
+        "order", "a rank has its order for the trial, before the trial's group forms", "rank"
+    ),
+    PoolPoint("handed", "the trial's rank 0 has handed the trial to its group", "rank"),
+    PoolPoint("fit", "in the user's function (a training step)", "rank"),
+    PoolPoint("exchange", "before the trial-end exchange", "rank"),
+    PoolPoint(
+        "done",
+        "a rank's part of the trial is over (rank 0: the outcome sent), before it tells"
+        " the launcher it is free: between two trials",
+        "rank",
+    ),
+    PoolPoint("lease", "the agent, before it takes the trial's lease", "agent"),
+    PoolPoint("ask", "the agent has asked for ranks: the launcher places the trial", "agent"),
+    PoolPoint("record", "the agent's NePS records the finished trial", "agent"),
+    PoolPoint("sample", "the agent's NePS samples its next trial", "agent"),
+    PoolPoint("stop", "an agent's search is over, before it tells the launcher", "agent"),
+)
+
+
+POOL_FAULTS = (
+    Fault("kill_r0", "SIGKILL to the trial's rank 0", "sigkill", "leader"),
+    Fault("kill_r1", "SIGKILL to the trial's rank 1", "sigkill", "follower"),
+    Fault("term_r0", "SIGTERM to the trial's rank 0", "sigterm", "leader"),
+    Fault("term_r1", "SIGTERM to the trial's rank 1", "sigterm", "follower"),
+    Fault("term_ranks", "SIGTERM to every rank of the trial", "sigterm", "all"),
+    Fault("raise", "an exception at the step (rank 1's; the agent's at its steps)", "raise"),
+    Fault("kill_agent", "SIGKILL to the trial's agent (its NePS worker)", "sigkill", "agent"),
+    Fault(
+        "term_launcher",
+        "SIGTERM to the launcher (`neps-bcast launch --pool`)",
+        "sigterm",
+        "launcher",
+    ),
+    Fault("int_launcher", "SIGINT to the launcher (Ctrl-C)", "sigint", "launcher"),
+)
+POOL_FAULT = {f.name: f for f in POOL_FAULTS}
+POOL_POINT = {p.name: p for p in POOL_POINTS}
+
+
+@dataclass(frozen=True)
+class PoolExpect:
+    row: str
+    """The row of ``ROWS`` whose rule this cell follows."""
+    trial: frozenset[str]
+    """The NePS state of the faulted trial once the launch is over."""
+    retried: bool
+    """The trial was put back (its lease lists one failed attempt) and run again."""
+    victim: frozenset[int]
+    """The exit statuses of the process(es) the fault signalled, or that raised."""
+    peers: frozenset[int]
+    """The exit statuses of the trial's other ranks (those it did not name)."""
+    launcher: frozenset[int]
+    """The launcher's exit status, where the fault decides it (its own launch's)."""
+    note: str = ""
+    stops: bool = False
+    """The fault stops the launch: every trial running or waiting for ranks goes back to
+    pending, and the same command again finishes the budget."""
+
+
+POOL_STOP_EXITS = S({143, 0, -15})
+"""A pool's process the launcher stopped: 143 (its SIGTERM handled), 0 where it had left
+first (an idle rank told the search is over), or -15 where the SIGTERM found it with
+nothing to settle and no handler installed (a rank waiting for an order, an agent past
+its search)."""
+
+
+def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
+    """What one pool cell must end in. A fault on one trial's processes touches that
+    trial alone: the launch goes on, the trial goes back to pending and the same launch
+    evaluates it again on fresh processes (``pool_lost``), except where the user's code
+    raised (crashed) or the trial was already complete."""
+    agent_fault = fault.to in ("agent", "launcher") or (
+        fault.kind == "raise" and point.owner == "agent"
+    )
+    if point.owner == "agent" and fault.to in ("leader", "follower", "all"):
+        return Unreachable(
+            "the agent's steps run in the agent; the ranks are idle or in a trial"
+            " (the rank steps' cells)"
+        )
+    if fault.kind == "raise" and point.owner == "rank" and point.name != "fit":
+        return Unreachable(
+            OWN_CODE_ONLY.get(
+                point.name,
+                "only neps_bcast's own steps run here, and they raise nothing but a lost peer",
+            )
+        )
+    if fault.to == "launcher":
+        code = 143 if fault.kind == "sigterm" else 130
+        return PoolExpect(
+            "pool_stopped",
+            S({"pending", OK})
+            if point.name in ("stop", "done", "record", "sample")
+            else S({"pending"}),
+            False,
+            S(),
+            POOL_STOP_EXITS,
+            S({code}),
+            "the launcher forwards SIGTERM to every agent and rank"
+            if fault.kind == "sigint"
+            else "",
+            stops=True,
+        )
+    if agent_fault:
+        if fault.kind == "raise" and point.name == "record":
+            return PoolExpect(
+                "leader_lost",
+                S({OK}),
+                True,
+                S({1}),
+                S({0}),
+                S({1}),
+                "the agent exits 1, the launch's status; a fresh agent takes its"
+                " place, proves the trial's lease dead and evaluates it again",
+            )
+        if fault.kind == "raise":
+            return PoolExpect(
+                "between_trials",
+                S({OK}),
+                False,
+                S({0}),
+                S({0}),
+                S({0}),
+                "NePS samples again after a sampling that raised",
+            )
+        if point.name in ("record", "sample", "stop"):
+            complete = "the trial's result was recorded before" if point.name != "record" else ""
+            retried = point.name == "record"
+            return PoolExpect(
+                "pool_lost",
+                S({OK}),
+                retried,
+                S({-9}),
+                S({0}),
+                S({0}),
+                complete
+                or "killed inside NePS's record: the result is lost with"
+                " the agent; the fresh agent puts the trial back and it runs again",
+            )
+        if point.name == "ask":
+            return PoolExpect(
+                "pool_lost",
+                S({OK}),
+                True,
+                S({-9}),
+                S({0, -9}),
+                S({0}),
+                "a fresh agent takes the killed one's place and puts its trial"
+                " back; the trial's ranks, if it was placed, wait for the dead"
+                " agent's store: SIGKILLed 10 s later",
+            )
+        return PoolExpect(
+            "pool_lost",
+            S({OK}),
+            True,
+            S({-9}),
+            S({0}),
+            S({0}),
+            "a fresh agent takes the killed one's place and puts its trial back",
+        )
+    # A fault on the trial's ranks.
+    if fault.kind == "raise":
+        return PoolExpect(
+            "user_error",
+            S({"crashed"}),
+            False,
+            S({0}),
+            S({0}),
+            S({0}),
+            "both ranks are recycled (exit 0)",
+        )
+    if point.name == "done":
+        return PoolExpect(
+            "returns",
+            S({OK}),
+            False,
+            S({-9}),
+            S({0}),
+            S({0}),
+            "lost after its outcome was sent: the trial is a success; a fresh"
+            " rank takes the device",
+        )
+    victim = S({-9}) if fault.kind == "sigkill" else S({143})
+    if fault.to == "all":
+        return PoolExpect("pool_lost", S({OK}), True, victim, S(), S({0}))
+    if point.name == "order":
+        # The other rank waits in the trial's rendezvous for the lost one: the launcher
+        # SIGKILLs it after LOST_PEER_GRACE_S (10 s).
+        return PoolExpect(
+            "pool_lost",
+            S({OK}),
+            True,
+            victim,
+            S({-9}),
+            S({0}),
+            "the other rank, waiting in the rendezvous, is SIGKILLed 10 s later",
+        )
+    if fault.to == "leader":
+        peers = S({1}) if fault.kind == "sigkill" else S({0})
+        return PoolExpect("pool_lost", S({OK}), True, victim, peers, S({0}))
+    if point.name == "handed":
+        # Rank 0 has the trial and goes on into the user's function, whose
+        # init_process_group waits for the lost rank 1: SIGKILLed 10 s later.
+        return PoolExpect(
+            "pool_lost",
+            S({OK}),
+            True,
+            victim,
+            S({1, -9}),
+            S({0}),
+            "rank 0, waiting for rank 1 in the user's init_process_group, is SIGKILLed 10 s later",
+        )
+    # rank 1 lost: rank 0 sends the outcome (lost), then its STOP to the group fails.
+    return PoolExpect(
+        "pool_lost",
+        S({OK}),
+        True,
+        victim,
+        S({0, 1}),
+        S({0}),
+        "rank 0 may exit 1: its STOP after the outcome finds rank 1 gone",
+    )
+
+
+def pool_spec(point: PoolPoint, fault: Fault, trial_id: str | None) -> str:
+    """The cell's NB_FAULT in a pool (tests/scripts/faults.py): the process that reaches
+    the step fires, on trial ``trial_id`` (None: the first to get there), signalling
+    itself or the one the fault names."""
+    to = fault.to
+    if point.owner == "agent":
+        who = "agent"
+        to = "" if to == "agent" else to
+    elif point.name == "handed":
+        who = "leader"  # only rank 0 hands the trial over
+        to = "" if to == "leader" else to
+    elif to == "leader":
+        who, to = "leader", ""
+    else:
+        who = "follower"
+        to = "" if to == "follower" else to
+    text = f"{fault.kind}:{who}:at={point.name}" + (f":to={to}" if to else "")
+    return text + (f":id={trial_id}" if trial_id else "")
+
+
+POOL_CHAINS: dict[str, tuple[tuple[str, str], ...]] = {
+    "ranks": (
+        ("order", "kill_r0"),
+        ("handed", "kill_r1"),
+        ("fit", "term_ranks"),
+        ("fit", "raise"),
+        ("exchange", "kill_r1"),
+        ("done", "kill_r0"),
+    ),
+    "agent": (
+        ("lease", "kill_agent"),
+        ("ask", "kill_agent"),
+        ("fit", "kill_agent"),
+        ("record", "kill_agent"),
+        ("sample", "raise"),
+        ("record", "raise"),
+    ),
+    "launcher": (
+        ("fit", "term_launcher"),
+        ("stop", "int_launcher"),
+    ),
+}
+"""The pool's cells, by launch. A fault on one trial's processes leaves the launch
+going: the cells of one chain share one launch, each on a trial of its own (trial 2, 3,
+... by NePS's id: trial 1 warms the pool). A fault to the launcher ends its launch: its
+cells share a root, each launch the previous one's rerun (its first trials are those
+the last stop put back), and a last run finishes the budget; the ``stop`` cell, last,
+lands once an agent's search is over (the budget spent, the other agent's trial
+possibly still running).
+
+Each fault on a rank costs two fresh ranks (both are recycled), each on an agent a
+fresh agent, each to the launcher a whole launch: ~7 s of CPU per process to import
+torch and NePS. The chains hold what fits the sweep's time (about 6 minutes on 2
+cores): every kind of process and every step at least once, each fault kind on the
+steps where its path differs."""
+
+POOL_CELLS = [(POOL_POINT[p], POOL_FAULT[f]) for cells in POOL_CHAINS.values() for p, f in cells]

@@ -47,6 +47,20 @@ from neps_bcast.launcher.plan import ENV_LAUNCH_ID, SLURM_TASK_VARIABLES, TAG
 ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
 """GPU pools: the ``CUDA_VISIBLE_DEVICES`` entries of the pool, in device order."""
 
+LOST_PEER_GRACE_S = 10.0
+"""How long the ranks of a trial that lost one of its processes (a rank, or its agent)
+have to leave it before the launcher SIGKILLs them. A peer lost in a collective is seen
+in milliseconds (gloo); one lost before it joined the trial's group is not: the others
+wait in the rendezvous (on the agent's store) for ``NEPS_BCAST_JOIN_TIMEOUT_S`` (300 s),
+holding their devices (found by the pool's fault sweep: SIGKILL to a rank at its order,
+to an agent once it asked)."""
+
+AGENT_RESTARTS = 3
+"""Fresh agents started for one agent index that was killed (SIGKILL, the OOM killer)
+or failed (its NePS raised) while the search went on; past this, a lost agent is not
+replaced. A failed agent still decides the launch's exit status (its code); a killed
+one that was replaced does not."""
+
 
 @dataclass(frozen=True)
 class PoolPlan:
@@ -94,6 +108,10 @@ class Order:
     answered: bool = False
     clean: bool = True
     asked_at: float = 0.0
+    first_lost: str | None = None
+    """The first of its ranks that exited, and how (what the agent is told)."""
+    lost_at: float | None = None
+    """When one of its ranks died (its other ranks then have ``LOST_PEER_GRACE_S``)."""
 
 
 class Pool:
@@ -116,6 +134,7 @@ class Pool:
         self.killed = False
         self.done = 0
         self.failed_agents: list[tuple[int, int]] = []
+        self.agent_restarts: dict[int, int] = {}
         self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
         self.path = str(self.folder / "pool.sock")
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -300,7 +319,10 @@ class Pool:
         self.orders.pop(order.key, None)
         self.done += 1
         if not order.answered:
-            self._lost(order, f"the ranks of trial {order.trial} left it without an outcome")
+            self._lost(
+                order,
+                order.first_lost or f"the ranks of trial {order.trial} left it without an outcome",
+            )
         agent = self.agents.get(order.agent)
         if agent is not None:
             self._tell(agent, {"op": "released", "order": order.key})
@@ -356,6 +378,7 @@ class Pool:
             self.killed = True
         self._reap_agents()
         self._reap_ranks(now)
+        self._end_orphaned_ranks(now)
         self._place(now)
         agents_left = any(a.proc.poll() is None for a in self.agents.values())
         if not agents_left:
@@ -369,7 +392,7 @@ class Pool:
         return running
 
     def _reap_agents(self) -> None:
-        for agent in self.agents.values():
+        for agent in list(self.agents.values()):
             code = agent.proc.poll()
             if code is None or agent.reaped:
                 continue
@@ -381,13 +404,42 @@ class Pool:
                 if not order.ranks:  # still waiting: withdrawn
                     self.placement.cancel(order.key)
                     self.orders.pop(order.key, None)
+                elif order.lost_at is None:
+                    # Placed: its outcome has nobody to go to, and ranks not yet in its
+                    # group wait for the agent's store, gone with it.
+                    order.lost_at = time.monotonic()
+            replaced = code != 0 and self._replace_agent(agent, code)
+            if code > 0 or (code < 0 and not replaced):
+                self.failed_agents.append((agent.index, code))  # a killed one replaced: not
+            if replaced:
+                continue
             if code != 0:
-                self.failed_agents.append((agent.index, code))
                 if self.stop_deadline is None:
                     self.display.say(
                         f"agent {agent.index} failed (exit {code}); the others go on."
                         f" The end of {agent.log}:\n{status.tail(agent.log, 12)}"
                     )
+
+    def _replace_agent(self, agent: Member, code: int) -> bool:
+        """An agent killed by a signal or failed (not by this launcher's stop) is a lost
+        NePS worker, as a killed rank is a lost device: a fresh agent takes its place. Its
+        trial, left ``evaluating`` with the dead agent's lease, is proven dead by the
+        fresh agent's look for orphans at its start (same host, the pid gone) and goes
+        back to pending, which NePS hands out first. The ranks running that trial finish
+        it; its outcome has nobody to go to. False when the launch is stopping or the
+        index was replaced ``AGENT_RESTARTS`` times already."""
+        if self.stop_deadline is not None or self.killed:
+            return False
+        done = self.agent_restarts.get(agent.index, 0)
+        if done >= AGENT_RESTARTS:
+            return False
+        self.agent_restarts[agent.index] = done + 1
+        self.display.say(
+            f"agent {agent.index} {_exit_text(code)}: a fresh one takes its place (its trial"
+            f" goes back to pending). The end of {agent.log}:\n{status.tail(agent.log, 12)}"
+        )
+        self._start("agent", agent.index)
+        return True
 
     def _reap_ranks(self, now: float) -> None:
         for index, rank in list(self.ranks.items()):
@@ -403,7 +455,7 @@ class Pool:
             self.placement.set_available(index, False)
             order = self.orders.get(rank.order) if rank.order is not None else None
             if order is not None:
-                self._end_order_of_a_lost_rank(order, rank, code)
+                self._rank_of_a_trial_lost(order, rank, code, now)
             over = not any(a.proc.poll() is None for a in self.agents.values())
             if self.stop_deadline is None and not over:
                 if not rank.retiring:
@@ -412,29 +464,45 @@ class Pool:
                     )
                 self._start("rank", index)
 
-    def _end_order_of_a_lost_rank(self, order: Order, rank: Member, code: int) -> None:
-        """A rank of a running trial exited: the trial is over on every rank of it.
-
-        The agent hears that the trial lost its ranks (unless its rank 0 answered first:
-        its last words are read before deciding), and the trial's other ranks still in
-        it are killed at once: one that waits for the lost rank (to form the trial's
-        group, to join the control channel) would otherwise wait until the join timeout
-        (minutes), and every rank of an unclean trial is recycled anyway."""
+    def _rank_of_a_trial_lost(self, order: Order, rank: Member, code: int, now: float) -> None:
+        """A rank of a running trial exited. Its rank 0 answers for the trial when it can
+        (a peer lost in a collective is seen in milliseconds); when rank 0 itself is gone,
+        the launcher tells the agent, naming the first rank the trial lost (rank 0's last
+        words are read first: an outcome it sent wins). The trial's other ranks have
+        ``LOST_PEER_GRACE_S`` to leave it (``_end_orphaned_ranks``)."""
         order.clean = False
+        if order.first_lost is None:
+            order.first_lost = (
+                f"rank {order.ranks.index(rank.index)} of trial {order.trial} (device"
+                f" {rank.index}, pid {rank.proc.pid}) {_exit_text(code)}"
+            )
         head = self.ranks.get(order.ranks[0]) if order.ranks else None
         if head is not None and head is not rank and head.conn is not None:
             self._read(head)
-        if not order.answered:
-            self._lost(
-                order,
-                f"rank {order.ranks.index(rank.index)} of trial {order.trial} (device"
-                f" {rank.index}, pid {rank.proc.pid}) {_exit_text(code)}",
-            )
-        for other in order.members:
-            if other is not rank and other.order == order.key and other.proc.poll() is None:
-                procfs.kill(other.proc.pid)
+        if not order.answered and order.ranks and order.ranks[0] == rank.index:
+            self._lost(order, order.first_lost)
         order.free.add(rank.index)
+        if order.lost_at is None:
+            order.lost_at = now
         self._maybe_release(order)
+
+    def _end_orphaned_ranks(self, now: float) -> None:
+        """A trial that lost a rank or its agent: its ranks still in it after ``LOST_PEER_GRACE_S``
+        are SIGKILLed (a rank waiting in the trial's rendezvous for the lost one would
+        hold its device for the join timeout); each is then reaped as a lost rank, and
+        a fresh one takes its device."""
+        for order in list(self.orders.values()):
+            if order.lost_at is None or now < order.lost_at + LOST_PEER_GRACE_S:
+                continue
+            order.lost_at = float("inf")  # once
+            for rank in order.members:
+                if rank.index not in order.free and rank.proc.poll() is None:
+                    self.display.say(
+                        f"rank {rank.index} (pid {rank.proc.pid}) is still in trial"
+                        f" {order.trial} {LOST_PEER_GRACE_S:.0f} s after it lost a process:"
+                        " SIGKILL; a fresh one takes its device."
+                    )
+                    procfs.kill(rank.proc.pid)
 
     def _status(self) -> str:
         running = ", ".join(
