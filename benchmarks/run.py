@@ -37,7 +37,7 @@ from configuration import CONFIGS, POOL_CONFIGS, RAW, RESULTS, Mode
 from measurement import measure_all, measure_group_layouts, progress
 from plots import save_plots
 from pool_bench import measure_pool_section, summarize_pool
-from pool_report import pool_headline_row, pool_section, save_pool_plot, splice_section
+from pool_report import pool_headline_row, pool_section, save_pool_plots, splice_section
 from report import (
     MAIN_HEADER,
     groups_row,
@@ -143,7 +143,7 @@ def main() -> None:
     (RESULTS / "REPORT.md").write_text(render_report(summary, config, mode, machine, seconds))
     save_plots(summary, raw)
     if "pool" in raw:
-        save_pool_plot(summary, raw["pool"])
+        save_pool_plots(summary, raw["pool"])
     progress(markdown_table(MAIN_HEADER.rpartition(" | ")[0], headline_rows(summary, config)))
     progress(f"done in {seconds / 60:.1f} min: {RESULTS / 'REPORT.md'}")
 
@@ -171,7 +171,7 @@ def only_pool(mode: Mode, *, keep: bool, save: bool) -> None:
             "summary": summary,
         }
         (RESULTS / f"pool_{mode}.json").write_text(json.dumps(document, indent=1))
-        save_pool_plot(summary, launches)
+        save_pool_plots(summary, launches)
         note = (
             f"Measured alone: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}"
             f" --only pool --save`, {time.strftime('%Y-%m-%d %H:%M:%S')}, took"
