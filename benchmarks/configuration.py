@@ -199,10 +199,12 @@ CURVE_B = PoolCurve(
     fixed_epochs=1.0,
     serial_fraction=0.02,
     rule=((3, 1), (9, 2), (27, 8)),
-    evaluations=40,
+    evaluations=65,
 )
 """One epoch-time per trial that does not parallelize, epochs by Amdahl s = 0.02, fidelity
-up to 27: the rule was chosen by the calculation in pool_bench.md before measuring."""
+up to 27: the rule was chosen by the calculation in pool_bench.md before measuring. 65
+evaluations: one whole hyperband iteration (every bracket once); with 40 (the first
+bracket) NePS's 8 workers spent the budget before any trial reached 9 epochs."""
 
 
 @dataclass(frozen=True)
@@ -235,9 +237,9 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
         runs=1,
         deadline_s=420,
     ),
-    # make bench-full: curve A 8-16 min on 2 cores (by the load of the machine), most of it
+    # make bench-full: curve A 8-17 min on 2 cores (by the load of the machine), most of it
     # the launches' start-up (up to 16 processes importing torch and NePS), left out of every
-    # search wall; curve B about as long (search walls ~25-60 s, calculation in pool_bench.md).
+    # search wall; curve B longer (search walls ~60-150 s, calculation in pool_bench.md).
     "full": PoolConfig(devices=8, t_epoch=1.0, curves=(CURVE_A, CURVE_B), runs=1, deadline_s=900),
 }
 

@@ -396,6 +396,23 @@ SCALARS = (
 )
 
 
+def read_raw_launches(raw_dir: Path) -> list[Record]:
+    """The launches saved by ``measure_layout`` (``measurement.save_raw``) in ``raw_dir``:
+    each one's result, with its supervisor's start and exit times."""
+    launches = []
+    for path in sorted(raw_dir.glob("pool*_*.json")):
+        data = json.loads(path.read_text())
+        supervisor = data.get("supervisor", {})
+        launches.append(
+            {
+                **data["result"],
+                "t_start": supervisor.get("t_start"),
+                "t_exit": supervisor.get("t_exit"),
+            }
+        )
+    return launches
+
+
 def summarize_pool(launches: list[Record], config: PoolConfig) -> Record:
     """Per curve (``summarize_curve``), in the order measured."""
     return {
