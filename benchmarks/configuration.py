@@ -139,10 +139,6 @@ CONFIGS: dict[Mode, BenchConfig] = {"quick": QUICK, "full": FULL}
 
 
 # ----------------------------------------------------------------------------- the pool section
-POOL_SERIAL_FRACTION = 0.1
-"""s of the simulated devices' speedup curve (Amdahl): e epochs on k ranks take
-``e * t_epoch * (s + (1 - s) / k)`` seconds of device time (workloads/pool_sim.py)."""
-
 POOL_UTILIZATION_GOAL = 0.9
 """Device utilization (busy device-seconds / (D x search wall)) at least this."""
 POOL_WALL_GOAL = 0.67
@@ -154,30 +150,97 @@ rank in the function, median over the fixed layouts' trials)."""
 
 
 @dataclass(frozen=True)
+class PoolCurve:
+    """One stated speedup curve and search of the pool section (workloads/pool_sim.py's
+    arguments): a trial of e epochs on k ranks holds its k devices for
+    ``t_epoch * (fixed_epochs + e * (s + (1 - s) / k))`` seconds."""
+
+    name: str
+    """A, B: how REPORT.md and the figures name it."""
+    max_epochs: int
+    """The fidelity ``epochs = neps.IntegerFidelity(1, max_epochs)``, hyperband eta 3."""
+    fixed_epochs: float
+    """c: device time every trial pays once (start, data, validation), in epochs of one
+    rank; it does not parallelize."""
+    serial_fraction: float
+    """s of Amdahl's law, per epoch."""
+    rule: tuple[tuple[int, int], ...]
+    """The pool's right-sizing: (up to this many epochs, ranks), ascending."""
+    evaluations: int
+    """The search's budget, every layout: ``total_evaluations_to_spend``."""
+
+    @property
+    def rule_arg(self) -> str:
+        """``--rule`` of workloads/pool_sim.py: ``1:1,3:2,9:4``."""
+        return ",".join(f"{bound}:{ranks}" for bound, ranks in self.rule)
+
+    def ranks_for(self, epochs: int) -> int:
+        return next(ranks for bound, ranks in self.rule if epochs <= bound)
+
+    def trial_seconds(self, epochs: int, ranks: int, t_epoch: float) -> float:
+        """Device time of a trial of ``epochs`` on ``ranks`` (every rank of it is busy)."""
+        s = self.serial_fraction
+        return t_epoch * (self.fixed_epochs + epochs * (s + (1 - s) / ranks))
+
+
+CURVE_A = PoolCurve(
+    name="A",
+    max_epochs=9,
+    fixed_epochs=0.0,
+    serial_fraction=0.1,
+    rule=((1, 1), (3, 2), (9, 4)),
+    evaluations=40,
+)
+"""Amdahl s = 0.1 per epoch, nothing fixed per trial: every wider trial costs more
+device-seconds, so one rank per trial is cheapest (the first run's curve, unchanged)."""
+CURVE_B = PoolCurve(
+    name="B",
+    max_epochs=27,
+    fixed_epochs=1.0,
+    serial_fraction=0.02,
+    rule=((3, 1), (9, 2), (27, 8)),
+    evaluations=65,
+)
+"""One epoch-time per trial that does not parallelize, epochs by Amdahl s = 0.02, fidelity
+up to 27: the rule was chosen by the calculation in pool_bench.md before measuring. 65
+evaluations: one whole hyperband iteration (every bracket once); with 40 (the first
+bracket) NePS's 8 workers spent the budget before any trial reached 9 epochs."""
+
+
+@dataclass(frozen=True)
 class PoolConfig:
-    """The right-sized pool section (``run.py --full``, or ``--only pool``): one launch per
-    layout, ``neps-bcast launch --pool D`` against every fixed ``--groups G --nproc-per-group
-    N`` with G x N = D, on D simulated devices (workloads/pool_sim.py)."""
+    """The right-sized pool section (``run.py --full``, or ``--only pool``): per curve, one
+    launch per layout, ``neps-bcast launch --pool D`` against every fixed ``--groups G
+    --nproc-per-group N`` with G x N = D, on D simulated devices (workloads/pool_sim.py)."""
 
     devices: int
     """D: simulated devices (CPU ranks whose training steps sleep)."""
     t_epoch: float
     """Seconds of device time of one epoch on one rank."""
-    evaluations: int
-    """The search's budget, every layout: ``total_evaluations_to_spend``."""
+    curves: tuple[PoolCurve, ...]
+    """The speedup curves and searches, measured one after the other."""
     runs: int
-    """Launches per layout, interleaved (medians over them)."""
+    """Launches per layout and curve, interleaved (medians over them)."""
     deadline_s: float
     """A launch still running after this is killed (and counted as not completed)."""
 
 
 POOL_CONFIGS: dict[Mode, PoolConfig] = {
-    # --only pool (quick): a small pool to develop with, ~6 min.
-    "quick": PoolConfig(devices=4, t_epoch=0.5, evaluations=12, runs=1, deadline_s=420),
-    # make bench-full: 8-16 min on 2 cores (by the load of the machine), most of it the
-    # launches' start-up (up to 16 processes importing torch and NePS), left out of every
-    # search wall; a search wall is 24-48 s.
-    "full": PoolConfig(devices=8, t_epoch=1.0, evaluations=40, runs=1, deadline_s=600),
+    # --only pool (quick): a small pool of 4 to develop with (curve B's widest trials on 4).
+    "quick": PoolConfig(
+        devices=4,
+        t_epoch=0.5,
+        curves=(
+            PoolCurve("A", 9, 0.0, 0.1, ((1, 1), (3, 2), (9, 4)), 12),
+            PoolCurve("B", 27, 1.0, 0.02, ((3, 1), (9, 2), (27, 4)), 12),
+        ),
+        runs=1,
+        deadline_s=420,
+    ),
+    # make bench-full: curve A 8-17 min on 2 cores (by the load of the machine), most of it
+    # the launches' start-up (up to 16 processes importing torch and NePS), left out of every
+    # search wall; curve B longer (search walls ~60-150 s, calculation in pool_bench.md).
+    "full": PoolConfig(devices=8, t_epoch=1.0, curves=(CURVE_A, CURVE_B), runs=1, deadline_s=900),
 }
 
 

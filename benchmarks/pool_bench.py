@@ -1,10 +1,11 @@
 """The right-sized pool section: ``--pool D`` against every fixed layout, one run, interleaved.
 
-Every launch runs ``workloads/pool_sim.py`` (a hyperband search on D simulated devices, see
-its docstring) under ``_supervise.py`` (``measurement.supervised``), with the same budget:
+Per stated speedup curve (``PoolConfig.curves``: A, then B), every launch runs
+``workloads/pool_sim.py`` (a hyperband search on D simulated devices, see its docstring)
+under ``_supervise.py`` (``measurement.supervised``), with the same curve and budget:
 ``neps-bcast launch --pool D`` and ``--groups G --nproc-per-group N`` for every G x N = D. What each launch recorded (the ranks' JSON
 lines, NePS's trial metadata, the pool agents' timed log lines) becomes one result per
-launch (``launch_figures``), then one summary (``summarize_pool``). Measures only.
+launch (``launch_figures``), then one summary per curve (``summarize_pool``). Measures only.
 
 Times are CLOCK_REALTIME (``time.time()``) in every process, the supervisor's included.
 """
@@ -19,12 +20,12 @@ from typing import Any
 
 from configuration import (
     POOL_SCHEDULING_GOAL_MS,
-    POOL_SERIAL_FRACTION,
     POOL_UTILIZATION_GOAL,
     POOL_WALL_GOAL,
     RAW,
     WORKLOADS,
     PoolConfig,
+    PoolCurve,
     fixed_layouts,
     layout_key,
 )
@@ -64,7 +65,7 @@ def is_pool(key: str) -> bool:
 
 
 # ----------------------------------------------------------------------------- one launch
-def command(key: str, folder: Path, config: PoolConfig) -> list[str]:
+def command(key: str, folder: Path, config: PoolConfig, curve: PoolCurve) -> list[str]:
     devices = config.devices
     if is_pool(key):
         layout_args: tuple[str, ...] = ("--pool", str(devices))
@@ -81,8 +82,10 @@ def command(key: str, folder: Path, config: PoolConfig) -> list[str]:
         *("--log-dir", str(folder / "logs"), "--status-interval", "30"),
         str(WORKLOADS / "pool_sim.py"),
         *("--root", str(folder / "root"), "--records", str(folder / "records")),
-        *("--expect", str(processes), "--evaluations", str(config.evaluations)),
-        *("--t-epoch", str(config.t_epoch), "--serial-fraction", str(POOL_SERIAL_FRACTION)),
+        *("--expect", str(processes), "--evaluations", str(curve.evaluations)),
+        *("--t-epoch", str(config.t_epoch), "--serial-fraction", str(curve.serial_fraction)),
+        *("--max-epochs", str(curve.max_epochs), "--fixed-epochs", str(curve.fixed_epochs)),
+        *("--rule", curve.rule_arg),
         *extra,
     ]
 
@@ -125,7 +128,7 @@ def logs_error(log_dir: Path) -> str:
 
 
 def measure_layout(
-    key: str, config: PoolConfig, tag: str, tmp: Path, raw_dir: Path = RAW
+    key: str, config: PoolConfig, curve: PoolCurve, tag: str, tmp: Path, raw_dir: Path = RAW
 ) -> Record:
     """One launch to the end of its search; its figures (``launch_figures``) and data."""
     name = f"{tag}_{key}"
@@ -135,7 +138,7 @@ def measure_layout(
     # CPU ranks on gloo even where GPUs exist: the devices are simulated.
     record = supervised(
         name,
-        command(key, folder, config),
+        command(key, folder, config, curve),
         cwd=folder,
         deadline_s=config.deadline_s,
         extra_env={"CUDA_VISIBLE_DEVICES": ""},
@@ -146,10 +149,11 @@ def measure_layout(
     events = agent_events(folder / "logs") if is_pool(key) else {}
     result: Record = {
         "layout": key,
-        **outcome(record, succeeded, config.evaluations),
+        "curve": curve.name,
+        **outcome(record, succeeded, curve.evaluations),
         "trials_recorded": len(trials),
         "left": len(record["left"]),
-        **launch_figures(rows, trials, events, record, config),
+        **launch_figures(rows, trials, events, record, config, curve),
     }
     if record["exit_code"] != 0:
         result["error"] = logs_error(folder / "logs") or result["error"]
@@ -194,11 +198,6 @@ def idle_tail_start(intervals: list[tuple[float, float]], devices: int, default:
     return fell
 
 
-def amdahl(ranks: int) -> float:
-    """Device time of one epoch on ``ranks`` ranks, in epochs of one rank."""
-    return POOL_SERIAL_FRACTION + (1 - POOL_SERIAL_FRACTION) / ranks
-
-
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -213,6 +212,7 @@ def launch_figures(
     events: dict[str, Record],
     supervisor: Record,
     config: PoolConfig,
+    curve: PoolCurve,
 ) -> Record:
     """Search wall, utilization, idle tail, start-up, trial mix and per-trial start costs."""
     work = work_rows(rows)
@@ -247,7 +247,7 @@ def launch_figures(
         {
             "search_wall_s": wall,
             "busy_device_s": busy,
-            **curve_figures(work, config),
+            **curve_figures(work, config, curve),
             "utilization": busy / (config.devices * wall) if wall > 0 else None,
             "idle_tail_s": search_end - tail_from,
             "startup_s": search_start - t_launch,
@@ -278,12 +278,14 @@ def launch_figures(
     return figures
 
 
-def curve_figures(work: list[Record], config: PoolConfig) -> Record:
+def curve_figures(work: list[Record], config: PoolConfig, curve: PoolCurve) -> Record:
     """What the curve alone asks of the devices for the trials trained: device-seconds,
     and the wall no placement can beat (those device-seconds spread evenly over D, or the
     longest trial if longer)."""
     shapes = {row["trial"]: (row["epochs"], row["world"]) for row in work}
-    seconds = [epochs * config.t_epoch * amdahl(world) for epochs, world in shapes.values()]
+    seconds = [
+        curve.trial_seconds(epochs, world, config.t_epoch) for epochs, world in shapes.values()
+    ]
     device_s = sum(each * world for each, (_, world) in zip(seconds, shapes.values(), strict=True))
     return {
         "model_device_s": device_s,
@@ -348,17 +350,21 @@ def trial_starts(
 
 # ----------------------------------------------------------------------------- the section
 def measure_pool_section(config: PoolConfig, tmp: Path, raw_dir: Path = RAW) -> list[Record]:
-    """Every layout ``config.runs`` times, interleaved (``layout_order``)."""
-    progress(
-        f"pool section: --pool {config.devices} vs"
-        f" {', '.join(layout_key(*layout) for layout in fixed_layouts(config.devices))},"
-        f" {config.evaluations} trials each, simulated devices"
-    )
-    return [
-        measure_layout(key, config, f"pool{run_index}", tmp, raw_dir)
-        for run_index in range(config.runs)
-        for key in layout_order(config.devices, run_index)
-    ]
+    """Per curve, one after the other: every layout ``config.runs`` times, interleaved
+    (``layout_order``). Each launch's record names its ``curve``."""
+    launches = []
+    for curve in config.curves:
+        progress(
+            f"pool section, curve {curve.name}: --pool {config.devices} vs"
+            f" {', '.join(layout_key(*layout) for layout in fixed_layouts(config.devices))},"
+            f" {curve.evaluations} trials each, simulated devices"
+        )
+        launches += [
+            measure_layout(key, config, curve, f"pool{curve.name}{run_index}", tmp, raw_dir)
+            for run_index in range(config.runs)
+            for key in layout_order(config.devices, run_index)
+        ]
+    return launches
 
 
 SCALARS = (
@@ -390,7 +396,41 @@ SCALARS = (
 )
 
 
+def read_raw_launches(raw_dir: Path) -> list[Record]:
+    """The launches saved by ``measure_layout`` (``measurement.save_raw``) in ``raw_dir``:
+    each one's result, with its supervisor's start and exit times."""
+    launches = []
+    for path in sorted(raw_dir.glob("pool*_*.json")):
+        data = json.loads(path.read_text())
+        supervisor = data.get("supervisor", {})
+        launches.append(
+            {
+                **data["result"],
+                "t_start": supervisor.get("t_start"),
+                "t_exit": supervisor.get("t_exit"),
+            }
+        )
+    return launches
+
+
 def summarize_pool(launches: list[Record], config: PoolConfig) -> Record:
+    """Per curve (``summarize_curve``), in the order measured."""
+    return {
+        "devices": config.devices,
+        "t_epoch": config.t_epoch,
+        "runs": config.runs,
+        "curves": [
+            summarize_curve(
+                [launch for launch in launches if launch.get("curve", "A") == curve.name],
+                config,
+                curve,
+            )
+            for curve in config.curves
+        ],
+    }
+
+
+def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve) -> Record:
     """Per layout: medians over its completed launches; the best fixed layout; the goals."""
     layouts: Record = {}
     for key in layout_order(config.devices, 0):
@@ -451,10 +491,14 @@ def summarize_pool(launches: list[Record], config: PoolConfig) -> Record:
             else pool["sched_ms_median"] <= limit,
         }
     return {
+        "curve": curve.name,
         "devices": config.devices,
         "t_epoch": config.t_epoch,
-        "evaluations": config.evaluations,
-        "serial_fraction": POOL_SERIAL_FRACTION,
+        "evaluations": curve.evaluations,
+        "max_epochs": curve.max_epochs,
+        "fixed_epochs": curve.fixed_epochs,
+        "serial_fraction": curve.serial_fraction,
+        "rule": [list(step) for step in curve.rule],
         "runs": config.runs,
         "layouts": layouts,
         "best_fixed": best,

@@ -1,9 +1,10 @@
 """The right-sized pool section of REPORT.md, its README row and its figure.
 
-``pool_section`` renders the section from ``summary["pool"]`` (``pool_bench.summarize_pool``);
-``pool_headline_row`` is the one row the README can copy; ``save_pool_plot`` draws device
-occupancy over time (one row per device, one colour per trial) of the pools and the best
-fixed layout to ``results/pool_occupancy.png``.
+``pool_section`` renders the section from ``summary["pool"]`` (``pool_bench.summarize_pool``:
+one summary per speedup curve); ``pool_headline_row`` is the one row the README can copy
+(the last curve's, B: the curve where right-sizing should pay); ``save_pool_plots`` draws,
+per curve, device occupancy over time (one row per device, one colour per trial) of the pool
+and the best fixed layout to ``results/pool_occupancy_<curve>.png``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from pool_bench import POOL_LABELS, POOL_VARIANTS, is_pool
 from report import Row, markdown_table, number, verdict
 
 Summary = dict[str, Any]
-PLOT_NAME = "pool_occupancy.png"
+
+
+def plot_name(curve: str) -> str:
+    return f"pool_occupancy_{curve.lower()}.png"
 
 
 def label(key: str) -> str:
@@ -37,10 +41,29 @@ def mix_text(mix: dict[str, int]) -> str:
     return ", ".join(f"{count}x {shape}" for shape, count in mix.items())
 
 
+def curve_text(pool: Summary) -> str:
+    """``Amdahl s = 0.02 per epoch + 1 epoch-time per trial, epochs 1..27``."""
+    fixed = pool["fixed_epochs"]
+    return (
+        f"Amdahl s = {pool['serial_fraction']:g} per epoch"
+        + (f" + {fixed:g} epoch-time per trial (not parallel)" if fixed else "")
+        + f", epochs 1..{pool['max_epochs']}"
+    )
+
+
+def rule_text(pool: Summary) -> str:
+    """``1 rank up to 3 epochs, 2 up to 9, 8 up to 27``."""
+    parts = [f"{ranks} up to {bound}" for bound, ranks in pool["rule"]]
+    first_bound = pool["rule"][0][0]
+    parts[0] = parts[0].replace(" up to ", f" rank{'s' if pool['rule'][0][1] > 1 else ''} up to ")
+    parts[0] += " epoch" if first_bound == 1 else " epochs"
+    return ", ".join(parts)
+
+
 def pool_headline_row(summary: Summary) -> Row:
-    """The README's row: the pool's search wall against the best fixed layout's, utilization
-    and scheduling cost (ours column), the wall ratio (ratio column)."""
-    pool = summary["pool"]
+    """The README's row (the last curve's): the pool's search wall against the best fixed
+    layout's, utilization and scheduling cost (ours column), the wall ratio (ratio column)."""
+    pool = summary["pool"]["curves"][-1]
     best = pool["best_fixed"]
     layouts = pool["layouts"]
     ours, fixed = layouts["pool"], layouts.get(best, {}) if best else {}
@@ -53,8 +76,9 @@ def pool_headline_row(summary: Summary) -> Row:
     )
     return (
         f"right-sized pool (`--pool {pool['devices']}`, {pool['devices']} simulated devices,"
-        f" hyperband, {pool['evaluations']} trials) vs the best fixed layout"
-        f" ({best or 'n/a'}): search wall, device utilization, scheduling cost median",
+        f" curve {pool['curve']}: {curve_text(pool)}, hyperband, {pool['evaluations']} trials)"
+        f" vs the best fixed layout ({best or 'n/a'}): search wall, device utilization,"
+        " scheduling cost median",
         text,
         "-",
         f"{number(goals['wall_ratio'])}x (pool / best fixed; goal <= {POOL_WALL_GOAL:g}x)",
@@ -134,63 +158,99 @@ def starts_table(pool: Summary) -> str:
     return markdown_table(header, rows)
 
 
-def goals_table(pool: Summary) -> str:
-    rows = []
-    goals = pool["goals"]
-    keys = list(POOL_VARIANTS)
-    rows.append(
-        (
-            f"device utilization >= {POOL_UTILIZATION_GOAL:.0%}",
-            *(
-                f"{percent(goals[key]['utilization'])}: {verdict(goals[key]['utilization_met'])}"
-                for key in keys
-            ),
-        )
+def goal_rows(pool: Summary) -> list[Row]:
+    """The three goals of one curve: the measured value, met or not, and the figures that
+    say why (the pool's own lower bound, its idle device-seconds, its start by trial size)."""
+    goal = pool["goals"]["pool"]
+    ours = pool["layouts"]["pool"]
+    best = pool["best_fixed"]
+    best_wall = pool["layouts"].get(best, {}).get("search_wall_s") if best else None
+    target = None if best_wall is None else POOL_WALL_GOAL * best_wall
+    bound = ours.get("wall_bound_s")
+    wall, busy = ours.get("search_wall_s"), ours.get("busy_device_s")
+    idle = None if wall is None or busy is None else pool["devices"] * wall - busy
+    by_world = ", ".join(
+        f"{world} ranks: {number(value, 0)} ms"
+        for world, value in ours.get("warm_sched_ms_by_world", {}).items()
     )
-    rows.append(
+    return [
         (
-            f"search wall <= {POOL_WALL_GOAL:g}x the best fixed layout's ({pool['best_fixed']})",
-            *(
-                f"{number(goals[key]['wall_ratio'])}x: {verdict(goals[key]['wall_met'])}"
-                for key in keys
-            ),
-        )
-    )
-    rows.append(
+            f"curve {pool['curve']}: device utilization >= {POOL_UTILIZATION_GOAL:.0%}",
+            f"{percent(goal['utilization'])}: {verdict(goal['utilization_met'])}",
+            f"{number(idle, 0)} of {number(None if wall is None else pool['devices'] * wall, 0)}"
+            f" device-s idle; idle tail {number(ours.get('idle_tail_s'), 1)} s",
+        ),
         (
-            f"scheduling cost median <= {POOL_SCHEDULING_GOAL_MS:g} ms + start cost"
-            f" ({number(pool['start_cost_ms'], 1)} ms) ="
-            f" {number(goals['pool']['sched_limit_ms'], 1)} ms",
-            *(
-                f"{number(goals[key]['sched_ms'], 1)} ms: {verdict(goals[key]['sched_met'])}"
-                for key in keys
-            ),
-        )
+            f"curve {pool['curve']}: search wall <= {POOL_WALL_GOAL:g}x the best fixed"
+            f" layout's ({best})",
+            f"{number(goal['wall_ratio'])}x: {verdict(goal['wall_met'])}",
+            f"{POOL_WALL_GOAL:g} x {number(best_wall, 1)} s = {number(target, 1)} s; the pool's"
+            f" trials alone need at least {number(bound, 1)} s (wall no placement beats),"
+            f" it took {number(wall, 1)} s",
+        ),
+        (
+            f"curve {pool['curve']}: scheduling cost median <= {POOL_SCHEDULING_GOAL_MS:g} ms"
+            f" + start cost ({number(pool['start_cost_ms'], 1)} ms) ="
+            f" {number(goal['sched_limit_ms'], 1)} ms",
+            f"{number(goal['sched_ms'], 1)} ms: {verdict(goal['sched_met'])}",
+            f"after each rank's first trial {number(ours.get('warm_sched_ms_median'), 1)} ms;"
+            f" by trial size: {by_world or 'n/a'}",
+        ),
+    ]
+
+
+def goals_table(curves: list[Summary]) -> str:
+    rows = [row for pool in curves for row in goal_rows(pool)]
+    return markdown_table("goal | pool, measured | why: the figures behind it", rows)
+
+
+def curve_section(pool: Summary) -> str:
+    """One curve's subsection: what it is, the layouts, the trial starts, the figure."""
+    fixed = pool["fixed_epochs"]
+    c_text = (
+        f"`{fixed:g} * t_epoch` once (the trial's fixed time: start, data, validation; it does"
+        " not parallelize), then per epoch "
+        if fixed
+        else "per epoch "
     )
-    return markdown_table("goal | " + " | ".join(label(key) for key in keys), rows)
+    return f"""### Curve {pool["curve"]}: {curve_text(pool)}
+
+A trial of e epochs on k ranks holds its k devices: {c_text}`t_epoch * (s + (1 - s) / k)`
+with t_epoch = {pool["t_epoch"]:g} s, s = {pool["serial_fraction"]:g}. Fidelity
+`epochs = neps.IntegerFidelity(1, {pool["max_epochs"]})`, budget
+`total_evaluations_to_spend={pool["evaluations"]}`. Pool rule: {rule_text(pool)}.
+
+{layouts_table(pool)}
+
+Starting a trial (per trial, medians; "after first trials" leaves out every trial with a
+rank that had trained nothing before):
+
+{starts_table(pool)}
+
+![device occupancy over time, curve {pool["curve"]}]({plot_name(pool["curve"])})
+"""
 
 
 def pool_section(summary: Summary, note: str = "") -> str:
     """The section of REPORT.md (``note``: a paragraph under its title, e.g. where it was
     measured when not in the report's own run)."""
-    pool = summary["pool"]
-    devices = pool["devices"]
-    s = pool["serial_fraction"]
+    curves = summary["pool"]["curves"]
+    devices = summary["pool"]["devices"]
+    names = " and ".join(pool["curve"] for pool in curves)
     return f"""## Right-sized pool vs fixed layouts ({devices} simulated devices)
 
 {note + chr(10) + chr(10) if note else ""}`neps-bcast launch --pool {devices}` against every fixed `--groups G --nproc-per-group N`
-with G x N = {devices}, one launch each, interleaved, the same search
-(`benchmarks/workloads/pool_sim.py`): NePS `optimizer=("hyperband", {{"eta": 3}})`,
-fidelity `epochs = neps.IntegerFidelity(1, 9)`, budget `total_evaluations_to_spend=
-{pool["evaluations"]}` (in-progress trials count, NePS's default), every layout. The
-devices are **simulated** (2 CPU cores): an epoch on k ranks sleeps
-`t_epoch * (s + (1 - s) / k)` with t_epoch = {pool["t_epoch"]:g} s and serial fraction
-s = {s:g} (Amdahl), then all-reduces one float over gloo, so the ranks are one DDP group
-and a rank costs no CPU while its device works. In the pool each trial is right-sized by
-its fidelity: 1 rank for 1 epoch, 2 for 3, 4 for 9; in a fixed layout every trial of a
-group runs on its N ranks. The script imports torch and NePS only, so each pool rank
-imports Lightning's cluster environments inside its first trial
-(`neps_bcast.startup.launch.detect`, called per trial by the pool's ranks; a fixed
+with G x N = {devices}, per speedup curve ({names}) one launch each, interleaved, the same
+search (`benchmarks/workloads/pool_sim.py`): NePS `optimizer=("hyperband", {{"eta": 3}})`
+over one float and the fidelity `epochs`, a budget of `total_evaluations_to_spend` trials
+(in-progress trials count, NePS's default), every layout. The devices are **simulated**
+(2 CPU cores): a rank's "training" sleeps for the device time of its curve, and each
+epoch all-reduces one float over gloo, so a trial's ranks are one DDP group and a rank
+costs no CPU while its device works. In the pool each trial is right-sized by its
+fidelity (the curve's rule, stated before measuring: benchmarks/pool_bench.md); in a
+fixed layout every trial of a group runs on its N ranks. The script imports torch and
+NePS only, so each pool rank imports Lightning's cluster environments inside its first
+trial (`neps_bcast.startup.launch.detect`, called per trial by the pool's ranks; a fixed
 layout's ranks import them in `neps_bcast.run`, before their first trial): hence the
 columns "after first trials".
 
@@ -200,9 +260,9 @@ columns "after first trials".
   *start-up* (launch -> first device work; of it *imports*: launch -> the last process
   imported) and *shutdown* (last device work -> the launcher exits) are left out.
 - *device-s busy*: the ranks' device work, summed (the sleeps and the epochs'
-  all-reduces); *of the curve alone*: what the trials trained ask of Amdahl's curve,
-  sum of epochs x t_epoch x (s + (1 - s) / k) x k. *Wall no placement beats*: the larger
-  of the curve's device-seconds / {devices} and the longest trial.
+  all-reduces); *of the curve alone*: what the trials trained ask of the curve, the sum
+  over trials of k x the trial's device time. *Wall no placement beats*: the larger of
+  the curve's device-seconds / {devices} and the longest trial.
 - *device utilization*: busy device-seconds (each rank's device work) / ({devices} x the
   search wall). *idle tail*: from the moment fewer than half the devices are busy for good
   to the end of the search wall.
@@ -210,21 +270,13 @@ columns "after first trials".
   the launcher's message, sent right after the ranks' orders) to the last rank of the
   trial entering the function. *Start cost*: what a fixed layout takes to start a trial,
   NePS's `time_started` -> the last rank in the function, median over the fixed layouts'
-  trials.
+  trials of the same curve.
 
-{layouts_table(pool)}
+Goals (measured, not tuned for), per curve:
 
-Starting a trial (per trial, medians; "after first trials" leaves out every trial with a
-rank that had trained nothing before):
+{goals_table(curves)}
 
-{starts_table(pool)}
-
-Goals (measured, not tuned for):
-
-{goals_table(pool)}
-
-![device occupancy over time]({PLOT_NAME})
-"""
+{chr(10).join(curve_section(pool) for pool in curves)}"""
 
 
 def splice_section(report: str, section: str) -> str:
@@ -278,40 +330,47 @@ def plot_occupancy(axes: Any, launch: dict[str, Any], devices: int, title: str) 
     axes.grid(True, axis="x", alpha=0.3)
 
 
-def save_pool_plot(
+def save_pool_plots(
     summary: Summary, launches: list[dict[str, Any]], folder: Path = RESULTS
-) -> Path:
-    """``pool_occupancy.png``: the pools and the best fixed layout, on one time axis."""
+) -> list[Path]:
+    """Per curve, ``pool_occupancy_<curve>.png``: the pool and the best fixed layout, on one
+    time axis."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pool = summary["pool"]
-    keys = [*POOL_VARIANTS, pool["best_fixed"]]
-    chosen = [
-        next((run for run in launches if run["layout"] == key and run["work"]), None)
-        for key in keys
-    ]
-    shown = [(key, run) for key, run in zip(keys, chosen, strict=True) if run is not None]
-    figure, axes_list = plt.subplots(
-        len(shown), 1, figsize=(12, 2.2 + 0.35 * pool["devices"] * len(shown)), sharex=True
-    )
-    if len(shown) == 1:
-        axes_list = [axes_list]
-    for axes, (key, run) in zip(axes_list, shown, strict=True):
-        title = (
-            f"{label(key)}{' (best fixed layout)' if key == pool['best_fixed'] else ''}:"
-            f" search wall {number(run['search_wall_s'], 1)} s, utilization"
-            f" {percent(run['utilization'])}, idle tail {number(run['idle_tail_s'], 1)} s"
-            " (from the dashed line)"
+    paths = []
+    for pool in summary["pool"]["curves"]:
+        curve = [run for run in launches if run.get("curve", "A") == pool["curve"]]
+        keys = [*POOL_VARIANTS, pool["best_fixed"]]
+        chosen = [
+            next((run for run in curve if run["layout"] == key and run["work"]), None)
+            for key in keys
+        ]
+        shown = [(key, run) for key, run in zip(keys, chosen, strict=True) if run is not None]
+        if not shown:
+            continue
+        figure, axes_list = plt.subplots(
+            len(shown), 1, figsize=(12, 2.2 + 0.35 * pool["devices"] * len(shown)), sharex=True
         )
-        plot_occupancy(axes, run, pool["devices"], title)
-    axes_list[-1].set_xlabel(
-        "seconds since the first trial's device work started (label: epochs of the trial)"
-    )
-    figure.tight_layout()
-    path = folder / PLOT_NAME
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+        if len(shown) == 1:
+            axes_list = [axes_list]
+        for axes, (key, run) in zip(axes_list, shown, strict=True):
+            title = (
+                f"curve {pool['curve']}, {label(key)}"
+                f"{' (best fixed layout)' if key == pool['best_fixed'] else ''}:"
+                f" search wall {number(run['search_wall_s'], 1)} s, utilization"
+                f" {percent(run['utilization'])}, idle tail {number(run['idle_tail_s'], 1)} s"
+                " (from the dashed line)"
+            )
+            plot_occupancy(axes, run, pool["devices"], title)
+        axes_list[-1].set_xlabel(
+            "seconds since the first trial's device work started (label: epochs of the trial)"
+        )
+        figure.tight_layout()
+        path = folder / plot_name(pool["curve"])
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths

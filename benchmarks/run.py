@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --quick   # make bench (~7 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min + pool)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --only groups   # one section (~2 min)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (8-16 min)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (25-45 min)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --curves B --save
 
 Writes ``summary_<mode>.json``, ``REPORT.md`` and the PNG plots to ``benchmarks/results/``
 (raw per-launch JSON to ``results/raw/``, git-ignored). ``--only groups`` measures that one
@@ -11,7 +12,9 @@ section with the mode's settings and prints its summary, writing nothing to ``re
 The right-sized pool section (``pool_bench``, ``pool_report``: ``--pool D`` against the fixed
 layouts on D simulated devices) is part of ``--full`` only; ``--only pool`` runs it alone
 (quick: a small pool of 4 to develop with), and with ``--save`` also writes
-``pool_<mode>.json``, its figure, and its section of REPORT.md (replaced in place).
+``pool_<mode>.json``, its figures, and its section of REPORT.md (replaced in place);
+``--curves B`` measures only that curve and rebuilds the section from the raw JSON of every
+curve in ``results/raw/pool_<mode>/`` (the others' from their last run).
 Measures only: nothing here asserts a time. The parts: ``configuration`` (what a mode
 measures), ``measurement`` (launching ``workloads/`` under ``_supervise.py``), ``analysis``
 (statistics), ``report`` (REPORT.md, whose Headline table the README copies), ``plots``.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -36,8 +40,8 @@ from analysis import summarize, summarize_groups
 from configuration import CONFIGS, POOL_CONFIGS, RAW, RESULTS, Mode
 from measurement import measure_all, measure_group_layouts, progress
 from plots import save_plots
-from pool_bench import measure_pool_section, summarize_pool
-from pool_report import pool_headline_row, pool_section, save_pool_plot, splice_section
+from pool_bench import measure_pool_section, read_raw_launches, summarize_pool
+from pool_report import pool_headline_row, pool_section, save_pool_plots, splice_section
 from report import (
     MAIN_HEADER,
     groups_row,
@@ -104,12 +108,18 @@ def main() -> None:
         help="with --only pool: also write results/pool_<mode>.json, its figure and its"
         " section of REPORT.md (raw JSON to results/raw/pool_<mode>/)",
     )
+    parser.add_argument(
+        "--curves",
+        help="with --only pool: the pool section's curves to measure, comma-separated (A,B);"
+        " with --save the others' figures come from their raw JSON of an earlier run",
+    )
     args = parser.parse_args()
     mode: Mode = "full" if args.full else "quick"
     config = CONFIGS[mode]
     started = time.monotonic()
     if args.only == "pool":
-        only_pool(mode, keep=args.keep_tmp, save=args.save)
+        curves = tuple(args.curves.split(",")) if args.curves else None
+        only_pool(mode, keep=args.keep_tmp, save=args.save, curves=curves)
         return
     if args.only == "groups":  # the launches' records stay in the temporary folder
         with scratch(f"{mode}, groups only", keep=args.keep_tmp) as tmp:
@@ -143,22 +153,37 @@ def main() -> None:
     (RESULTS / "REPORT.md").write_text(render_report(summary, config, mode, machine, seconds))
     save_plots(summary, raw)
     if "pool" in raw:
-        save_pool_plot(summary, raw["pool"])
+        save_pool_plots(summary, raw["pool"])
     progress(markdown_table(MAIN_HEADER.rpartition(" | ")[0], headline_rows(summary, config)))
     progress(f"done in {seconds / 60:.1f} min: {RESULTS / 'REPORT.md'}")
 
 
-def only_pool(mode: Mode, *, keep: bool, save: bool) -> None:
-    """``--only pool``: the right-sized pool section alone; ``save``: into results/ too."""
+def only_pool(mode: Mode, *, keep: bool, save: bool, curves: tuple[str, ...] | None = None) -> None:
+    """``--only pool``: the right-sized pool section alone; ``save``: into results/ too;
+    ``curves``: only these of the mode's curves (with ``save``, the others come from their
+    raw JSON in ``results/raw/pool_<mode>/``)."""
     started = time.monotonic()
     pool_config = POOL_CONFIGS[mode]
+    names = [curve.name for curve in pool_config.curves]
+    chosen = curves or tuple(names)
+    unknown = sorted(set(chosen) - set(names))
+    if unknown:
+        raise SystemExit(f"--curves {','.join(unknown)}: the {mode} curves are {names}")
+    measured = dataclasses.replace(
+        pool_config, curves=tuple(c for c in pool_config.curves if c.name in chosen)
+    )
     raw_dir = RAW / f"pool_{mode}"
     if save:
-        shutil.rmtree(raw_dir, ignore_errors=True)
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        for name in chosen:  # this run replaces these curves' launches, keeps the others'
+            for path in raw_dir.glob(f"pool{name}*_*.json"):
+                path.unlink()
     with scratch(f"{mode}, pool only", keep=keep) as tmp:
-        launches = measure_pool_section(pool_config, tmp, raw_dir if save else tmp / "raw")
+        launches = measure_pool_section(measured, tmp, raw_dir if save else tmp / "raw")
     seconds = time.monotonic() - started
-    summary = {"pool": summarize_pool(launches, pool_config)}
+    if save:  # every curve's launches: this run's and, for the others, their last run's
+        launches = read_raw_launches(raw_dir)
+    summary = {"pool": summarize_pool(launches, pool_config if save else measured)}
     print(json.dumps(summary, indent=1))
     print(markdown_table(MAIN_HEADER.rpartition(" | ")[0], [pool_headline_row(summary)]) + "\n")
     if save:
@@ -171,11 +196,12 @@ def only_pool(mode: Mode, *, keep: bool, save: bool) -> None:
             "summary": summary,
         }
         (RESULTS / f"pool_{mode}.json").write_text(json.dumps(document, indent=1))
-        save_pool_plot(summary, launches)
+        save_pool_plots(summary, launches)
+        when = "; ".join(f"curve {name} {measured_when(launches, name)}" for name in names)
         note = (
             f"Measured alone: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}"
-            f" --only pool --save`, {time.strftime('%Y-%m-%d %H:%M:%S')}, took"
-            f" {seconds / 60:.1f} min; machine: "
+            f" --only pool{' --curves ' + ','.join(chosen) if curves else ''} --save`"
+            f" ({when}); this run took {seconds / 60:.1f} min; machine: "
             + ", ".join(f"{key} {value}" for key, value in machine.items())
             + ". The rest of this report comes from its own run."
         )
@@ -185,6 +211,24 @@ def only_pool(mode: Mode, *, keep: bool, save: bool) -> None:
     else:
         print(pool_section(summary))
     progress(f"done in {seconds / 60:.1f} min")
+
+
+def measured_when(launches: list[dict[str, object]], curve: str) -> str:
+    """``2026-12-03 15:59-16:19``: from the first launch's start to the last one's exit."""
+    starts = [
+        float(run["t_start"])
+        for run in launches
+        if run.get("curve") == curve and run.get("t_start")
+    ]
+    exits = [
+        float(run["t_exit"]) for run in launches if run.get("curve") == curve and run.get("t_exit")
+    ]
+    if not starts or not exits:
+        return "n/a"
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(min(starts)))}"
+        f"-{time.strftime('%H:%M', time.localtime(max(exits)))}"
+    )
 
 
 if __name__ == "__main__":

@@ -4,19 +4,23 @@
     neps-bcast launch --groups 2 --nproc-per-group 4 benchmarks/workloads/pool_sim.py \\
         --root R --records REC --expect 8
 
-A rank's "device" is simulated: one epoch of a trial on k ranks waits (``time.sleep``)
-``T_EPOCH * (s + (1 - s) / k)`` seconds (``--t-epoch``), Amdahl's law with serial fraction
-``s`` (``--serial-fraction``, 0.1), then does one tiny gloo ``all_reduce`` (so the trial's
-ranks really are one DDP group and stay in step). A rank costs no CPU while its device works, so 8 devices fit on 2 cores.
+A rank's "device" is simulated by a stated speedup curve: a trial of e epochs on k ranks
+waits (``time.sleep``) ``c * T_EPOCH`` once (``--fixed-epochs`` c, default 0: the trial's
+fixed device time that does not parallelize: start, data loading, validation), then per
+epoch ``T_EPOCH * (s + (1 - s) / k)`` (``--t-epoch``; Amdahl's law with serial fraction
+``s``, ``--serial-fraction``, default 0.1) followed by one tiny gloo ``all_reduce`` (so the
+trial's ranks really are one DDP group and stay in step). A rank costs no CPU while its
+device works, so 8 devices fit on 2 cores.
 The group is formed as in PyTorch's DDP tutorial: ``init_process_group("gloo")`` at the
 start of the function, ``destroy_process_group()`` at its end, under torchrun's variables
 (``--groups``: torchrun's own; ``--pool``: the ones the pool's rank sets per trial).
 
 The search: NePS ``optimizer=("hyperband", {"eta": 3})`` over one float and the fidelity
-``epochs`` = ``neps.IntegerFidelity(1, 9)`` (rungs 1, 3, 9), ``--evaluations`` trials in
-all (``total_evaluations_to_spend``). Under ``--pool`` each trial is right-sized by its
-fidelity (``ranks_for``: 1 rank for 1 epoch, 2 for up to 3, else 4); under ``--groups``
-every trial of a group runs on that group's N ranks.
+``epochs`` = ``neps.IntegerFidelity(1, --max-epochs)`` (default 9: rungs 1, 3, 9),
+``--evaluations`` trials in all (``total_evaluations_to_spend``). Under ``--pool`` each
+trial is right-sized by its fidelity (``--rule``, default ``1:1,3:2,9:4``: 1 rank up to 1
+epoch, 2 up to 3, 4 up to 9; the last bound must reach ``--max-epochs``); under
+``--groups`` every trial of a group runs on that group's N ranks.
 
 Measurement hooks (not what a user writes): every process appends JSON lines to
 ``<records>/<pid>.jsonl``: ``ready`` once it has imported torch and NePS, and one
@@ -52,8 +56,11 @@ import neps_bcast  # noqa: E402
 
 run_search = neps_bcast.run  # the package loads it lazily: imported here, before the barrier
 
-MIN_EPOCHS, MAX_EPOCHS, ETA = 1, 9, 3
+MIN_EPOCHS, ETA = 1, 3
 ARGS: argparse.Namespace
+Rule = tuple[tuple[int, int], ...]
+"""(up to this many epochs, ranks), ascending: a trial gets the ranks of the first bound
+its epochs do not exceed."""
 
 
 def epoch_seconds(ranks: int) -> float:
@@ -62,9 +69,23 @@ def epoch_seconds(ranks: int) -> float:
     return ARGS.t_epoch * (serial + (1 - serial) / ranks)
 
 
+def parse_rule(text: str) -> Rule:
+    """``1:1,3:2,9:4`` -> ((1, 1), (3, 2), (9, 4))."""
+    try:
+        rule = tuple(
+            (int(bound), int(ranks))
+            for bound, ranks in (part.split(":") for part in text.split(","))
+        )
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--rule {text!r}: expected EPOCHS:RANKS,...") from error
+    if [bound for bound, _ in rule] != sorted({bound for bound, _ in rule}):
+        raise argparse.ArgumentTypeError(f"--rule {text!r}: bounds must ascend")
+    return rule
+
+
 def ranks_for(epochs: int) -> int:
-    """The right size of a trial, by its fidelity: 1 rank for 1 epoch, 2 up to 3, else 4."""
-    return 1 if epochs <= 1 else 2 if epochs <= 3 else 4
+    """The right size of a trial, by its fidelity (``--rule``)."""
+    return next(ranks for bound, ranks in ARGS.rule if epochs <= bound)
 
 
 def record(event: str, **data: object) -> None:
@@ -91,6 +112,7 @@ def evaluate_pipeline(x: float, epochs: int) -> float:
         seconds = epoch_seconds(world)
         tensor = torch.zeros(1)
         start = time.time()
+        time.sleep(ARGS.fixed_epochs * ARGS.t_epoch)  # start, data, validation: not parallel
         for _ in range(epochs):
             time.sleep(seconds)  # the device trains; the rank waits on it, no CPU
             dist.all_reduce(tensor)  # the epoch's gradient exchange, tiny
@@ -112,9 +134,12 @@ def evaluate_pipeline(x: float, epochs: int) -> float:
     return (x - 0.3) ** 2 + 1.0 / epochs
 
 
-class Space(neps.PipelineSpace):
-    x = neps.Float(0.0, 1.0)
-    epochs = neps.IntegerFidelity(MIN_EPOCHS, MAX_EPOCHS)
+def make_space(max_epochs: int) -> neps.PipelineSpace:
+    class Space(neps.PipelineSpace):
+        x = neps.Float(0.0, 1.0)
+        epochs = neps.IntegerFidelity(MIN_EPOCHS, max_epochs)
+
+    return Space()
 
 
 def wait_for_everyone(expect: int, timeout_s: float = 900.0) -> None:
@@ -138,6 +163,19 @@ def main() -> None:
     parser.add_argument("--evaluations", type=int, default=40, help="total_evaluations_to_spend")
     parser.add_argument("--t-epoch", type=float, default=1.0, help="T_EPOCH, seconds")
     parser.add_argument("--serial-fraction", type=float, default=0.1, help="s of Amdahl's law")
+    parser.add_argument("--max-epochs", type=int, default=9, help="the fidelity's maximum")
+    parser.add_argument(
+        "--fixed-epochs",
+        type=float,
+        default=0.0,
+        help="c: device time every trial pays once, in epochs of one rank (not parallel)",
+    )
+    parser.add_argument(
+        "--rule",
+        type=parse_rule,
+        default=parse_rule("1:1,3:2,9:4"),
+        help="pool only: EPOCHS:RANKS,... a trial's ranks by its epochs (first bound not exceeded)",
+    )
     parser.add_argument(
         "--preimport-lightning",
         action="store_true",
@@ -145,6 +183,8 @@ def main() -> None:
         " has them imported anyway); else a pool rank imports them in its first trial",
     )
     ARGS = parser.parse_args()
+    if ARGS.rule[-1][0] < ARGS.max_epochs:
+        parser.error(f"--rule's last bound {ARGS.rule[-1][0]} < --max-epochs {ARGS.max_epochs}")
     if ARGS.preimport_lightning:
         import lightning.fabric.plugins.environments  # noqa: F401
     logging.basicConfig(
@@ -165,7 +205,7 @@ def main() -> None:
     in_pool = bool(os.environ.get("NEPS_BCAST_POOL_ROLE"))
     run_search(
         evaluate_pipeline,
-        pipeline_space=Space(),
+        pipeline_space=make_space(ARGS.max_epochs),
         root_directory=ARGS.root,
         total_evaluations_to_spend=ARGS.evaluations,
         optimizer=("hyperband", {"eta": ETA}),
