@@ -199,7 +199,7 @@ def only_pool(mode: Mode, *, keep: bool, save: bool, curves: tuple[str, ...] | N
         save_pool_plots(summary, launches)
         when = "; ".join(f"curve {name} {measured_when(launches, name)}" for name in names)
         note = (
-            f"Measured alone: `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}"
+            f"Measured by itself (not inside make bench-full; other jobs ran on the machine, see the load below): `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}"
             f" --only pool{' --curves ' + ','.join(chosen) if curves else ''} --save`"
             f" ({when}); this run took {seconds / 60:.1f} min; machine: "
             + ", ".join(f"{key} {value}" for key, value in machine.items())
