@@ -57,6 +57,7 @@ signals) before it acts; a fault fires at most once per trial in a process.
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import re
@@ -329,7 +330,9 @@ def _hook_pool() -> None:
     real_send = wire.Conn.send
 
     def run_order(*args: Any, **kwargs: Any) -> Any:
-        order = args[3] if len(args) > 3 else kwargs["order"]
+        # pool_rank._run_order(fn, settings, order, conn, key): the order by its name
+        bound = inspect.signature(real_order).bind(*args, **kwargs)
+        order = bound.arguments["order"]
         CURRENT.update(id=str(order["trial"]), rank=int(order["rank"]))
         record("pool_trial", trial_id=CURRENT["id"], group_rank=CURRENT["rank"])
         try:
