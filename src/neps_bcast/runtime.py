@@ -108,18 +108,21 @@ class Runtime:
     def start_external(self, fingerprint: dict[str, str]) -> None:
         """An external launch (torchrun, srun, a pool's trial): meet the other ranks,
         agree on the secret, join the channel (``startup.external``)."""
-        started = external.start(self.launch, self.settings, self.link, self.signer, fingerprint)
-        self.group.keep = started.users_group
-        self.launcher_store = started.launcher_store
-        self.observe_group()
-        self.ensure_channel()
+        self._started(
+            external.start(self.launch, self.settings, self.link, self.signer, fingerprint)
+        )
 
     def start_in_pool(self, secret: bytes, order: str) -> None:
         """A pool's trial: as ``start_external``, its secret from the order
         (``startup.external.start_in_pool``)."""
-        started = external.start_in_pool(
-            self.launch, self.settings, self.link, self.signer, secret, order
+        self._started(
+            external.start_in_pool(
+                self.launch, self.settings, self.link, self.signer, secret, order
+            )
         )
+
+    def _started(self, started: external.Started) -> None:
+        """After either start: keep the user's group and the launcher's store, join."""
         self.group.keep = started.users_group
         self.launcher_store = started.launcher_store
         self.observe_group()

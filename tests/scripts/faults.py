@@ -244,6 +244,11 @@ def _pids(whom: str) -> list[int]:
             event = json.loads(line)
             if event["event"] == "start":
                 ranks[event["pid"]] = event["proc_rank"]
+    return _choose(ranks, whom)
+
+
+def _choose(ranks: dict[int, int], whom: str) -> list[int]:
+    """The pids of ``ranks`` (pid -> rank) that ``whom`` names, this process last."""
     one = _RANK_N.fullmatch(whom)
     chosen = [
         pid
@@ -277,15 +282,7 @@ def _pool_pids(whom: str) -> list[int]:
                 agents.append(event["pid"])
     if whom == "agent":
         return agents[-1:]
-    one = _RANK_N.fullmatch(whom)
-    chosen = [
-        pid
-        for pid, rank in ranks.items()
-        if (
-            rank == int(one.group(1)) if one else whom == "all" or (rank == 0) == (whom == "leader")
-        )
-    ]
-    return sorted(chosen, key=lambda pid: pid == os.getpid())
+    return _choose(ranks, whom)
 
 
 def fires(kind: str, trial: int) -> bool:
