@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from neps_bcast import faults
 from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.errors import (
@@ -111,6 +112,7 @@ def evaluate_on_group(
     it waits (``signals.wait_with_sigterm``) so that NePS records the result first.
     """
     info = neps_compat.current_trial()
+    faults.point("evaluate", trial_id=info.trial_id)
     attempt = 1
     try:
         raise_waiting_sigterm()  # one that came while NePS sampled: this trial goes back
@@ -274,6 +276,7 @@ def lead(
     # Every NePS lock taken in this process, by us or by NePS before neps.run sets it, is
     # the kind neps.run uses (a flock does not exclude another worker's lockf).
     neps_compat.use_neps_locking()
+    _fault_points_in_neps()
     guard = RootGuard(root, rt.settings.root_lock_timeout_s)
     leases = Leases(root, rt.settings)
     if kwargs.get("worker_id") is None and neps_compat.takes_worker_id():
@@ -327,6 +330,16 @@ def lead(
                 rt.log(logging.ERROR, "could not stop the followers: %s", stop_error)
         raise
     rt.log(logging.INFO, "done")
+
+
+def _fault_points_in_neps() -> None:
+    """The fault points ``sample`` and ``record`` lie inside NePS: hooked only when a
+    test armed one (``neps_bcast.faults``), never otherwise."""
+    if faults.armed("sample") or faults.armed("record"):
+        neps_compat.call_before_sampling_and_recording(
+            lambda: faults.point("sample"),
+            lambda trial_id: faults.point("record", trial_id=trial_id),
+        )
 
 
 def _releasing(guard: RootGuard, run_trial: RunTrial | None) -> RunTrial | None:

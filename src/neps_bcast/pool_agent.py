@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from neps_bcast import leader
+from neps_bcast import faults, leader
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
@@ -121,6 +121,7 @@ class Remote:
                 "payload": wire.seal(self.key, "trial", order, encode(message, tag=rt.tag)),
             }
         )
+        faults.point("ask")  # the launcher places the trial now
         rt.log(logging.INFO, "trial %s asks for %d rank(s)", message.trial_id, ranks)
         while True:
             record = self.conn.receive()

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from neps_bcast import faults
 from neps_bcast.config import Settings
 from neps_bcast.ddp.group import names_for_a_new_store
 from neps_bcast.errors import FollowerLostError, NepsBcastError
@@ -123,7 +124,9 @@ def serve(fn: Callable[..., Any], settings: Settings) -> None:
             clean = False
             try:
                 os.environ.update(trial_environment(order))
+                faults.point("order", trial_id=str(order["trial"]), group_rank=int(order["rank"]))
                 clean = _run_order(fn, settings, order, conn, key)
+                faults.point("done")
             finally:
                 if dist.is_initialized():
                     with contextlib.suppress(Exception):

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+from neps_bcast import faults
 from neps_bcast.compat.torch import Store
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
 from neps_bcast.ddp.group import UserGroup, abandon, group_connections
@@ -153,12 +154,14 @@ class Runtime:
         return self.group.next_generation() if self.link.store is not None else None
 
     def reform_group(self, generation: int) -> None:
+        faults.point("form", before_function=True)
         assert self.link.store is not None
         with indivisible():  # a stop waits until formed: no peer left in the rendezvous
             self.group.reform(self.link.store, generation, self._peers_alive)
 
     def form_group_for_session(self, seq: int) -> None:
         """Every rank at ``session()`` of trial ``seq``, where none has a group."""
+        faults.point("form", before_function=False)
         assert self.link.store is not None
         with indivisible():  # a stop waits until formed: no peer left in the rendezvous
             self.group.form_for_session(
@@ -227,6 +230,8 @@ class Runtime:
         elif isinstance(message, TrialMessage):
             self.children.first = (message.seq, encode(message, tag=self.tag))
             self.steps.handed_seq = message.seq  # Lightning's children start with it
+        if isinstance(message, TrialMessage):
+            faults.point("handed", seq=message.seq)
 
     def receive(self) -> TrialMessage | StopMessage:
         """Follower: wait (blocked, no polling) for the leader's next message."""
@@ -273,6 +278,7 @@ class Runtime:
     # -- the end ---------------------------------------------------------------
     def shutdown(self, reason: str) -> None:
         """Leader: tell every follower to stop, wait for their goodbye, close the channel."""
+        faults.point("stop")
         try:
             self.link.release_followers(self.world_size or 1)
             if self.link.channel is not None or (self.world_size or 0) > 1:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from neps_bcast import faults
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
 from neps_bcast.ddp.group import FormingAbandoned
@@ -221,6 +222,7 @@ class TrialRun:
     # -- trial end -------------------------------------------------------------
     def end(self, error: BaseException | None) -> list[ErrorRecord]:
         """Every rank reports how its function ended; returns every failure, root first."""
+        faults.point("exchange")
         if error is not None and self.mine is None:
             self.fail(error)
         if self._end_reports is None:

@@ -13,21 +13,22 @@ several are separated by commas.
   ``sample``: while NePS samples the next one after the N-th). Without it: every trial.
 - POINT (``fit`` unless given): where the scripts call ``faults.at(POINT)``: ``before``
   (in the function, before ``session()``), ``session`` (first thing inside it), ``fit`` (a
-  training step), ``after`` (the end of the session block); and four points hooked here
-  (``install``): ``sample`` (the leader's NePS samples a trial), ``record`` (it records a
-  trial's result), ``settle`` (neps_bcast's leader settles an interrupted trial in NePS:
-  puts it back to pending or records it crashed), ``reform`` (torch has just formed the
-  group again for the trial). And the control steps of neps_bcast's own loops, hooked
-  the same way (tests/sweep/table.py names each): ``lease`` and ``leased`` (the
-  leader, before and after it takes the trial's lease), ``handed`` (the leader, right
-  after it handed the trial to the group), ``exchange`` (every rank, before the
-  trial-end exchange), ``orphans`` (the leader, before it looks for orphans, before
-  the trial's lease), ``form`` (every rank, before the group is formed again for the trial), and
-  ``stop`` (the leader, before it sends STOP at the end of the search).
+  training step), ``after`` (the end of the session block); and the library's own fault
+  points (``neps_bcast.faults.POINTS``, armed by ``install``): ``sample`` (the leader's NePS
+  samples a trial), ``record`` (it records a trial's result), ``settle`` (neps_bcast's
+  leader settles an interrupted trial in NePS: puts it back to pending or records it
+  crashed), the control steps of neps_bcast's own loops (tests/sweep/table.py names
+  each): ``lease`` and ``leased`` (the leader, before and after it takes the trial's
+  lease), ``handed`` (the leader, right after it handed the trial to the group),
+  ``exchange`` (every rank, before the trial-end exchange), ``orphans`` (the leader,
+  before it looks for orphans, before the trial's lease), ``form`` (every rank, before
+  the group is formed again for the trial), and ``stop`` (the leader, before it sends
+  STOP at the end of the search); and one hooked in torch: ``reform`` (torch has just
+  formed the group again for the trial).
 - ``id=T`` (a pool): the trial NePS calls ``T``, whichever processes run it; in a pool
   every fault fires at most once per launch (a fresh rank started after a fault counts
   its trials from 1 again), the first time a process of its role reaches the point
-  (for that trial, with ``id``). The pool's own points (hooked here): ``order`` (a rank
+  (for that trial, with ``id``). The pool's own points (the library's too): ``order`` (a rank
   got its order for a trial, before it joins the group), ``done`` (a rank's part of the
   trial is over, the outcome sent, before it tells the launcher it is free), ``ask``
   (the agent asked the launcher for ranks: the launcher places the trial), ``stop``
@@ -57,7 +58,6 @@ signals) before it acts; a fault fires at most once per trial in a process.
 from __future__ import annotations
 
 import datetime
-import inspect
 import json
 import os
 import re
@@ -299,115 +299,49 @@ def devices(asked: int) -> int:
 
 
 def install() -> None:
-    """Hook the points that lie inside NePS and torch, only when a fault names them."""
-    points = {f.at for f in FAULTS}
-    if FAULTS:
-        _record_neps_order()
-    if points & {"sample", "record"}:
-        _hook_neps()
-    if points & STEPS.keys():
-        _hook_steps(points & STEPS.keys())
-    if "reform" in points:
+    """Arm the library's fault points (``neps_bcast.faults``) that a fault names, and
+    hook the one that lies in torch (``reform``)."""
+    if not FAULTS:
+        return
+    from neps_bcast import faults as points
+
+    named = {f.at for f in FAULTS}
+    armed = (named & set(points.POINTS)) | {"evaluate"}
+    if POOL_ROLE == "rank":
+        armed |= {"order", "done"}
+    points.arm(_on_point, armed)
+    if "reform" in named:
         _hook_reform()
-    if "settle" in points:
-        _hook_settle()
-    if POOL_ROLE is not None and FAULTS:
-        _hook_pool()
 
 
-def _hook_pool() -> None:
-    """A pool's processes: each rank records its part of each trial ("pool_trial": the
-    trial's id and its group rank, before it joins the group) and reaches ``order``
-    there and ``done`` after it; the agent reaches ``ask`` once it asked the launcher
-    for ranks. ``CURRENT`` follows the trial each process is at."""
-    from neps_bcast import pool_rank
-    from neps_bcast.launcher import wire
+UPCOMING = {"orphans", "lease", "leased", "handed"}
+"""The library's points that a trial reaches before its function is called (while SEQ
+still counts the trial before): ``form`` says so itself (``before_function``)."""
 
-    real_order = pool_rank._run_order
-    real_send = wire.Conn.send
 
-    def run_order(*args: Any, **kwargs: Any) -> Any:
-        # pool_rank._run_order(fn, settings, order, conn, key): the order by its name
-        bound = inspect.signature(real_order).bind(*args, **kwargs)
-        order = bound.arguments["order"]
-        CURRENT.update(id=str(order["trial"]), rank=int(order["rank"]))
+def _on_point(name: str, context: Any) -> None:
+    """The library reached point ``name``: record what the fault checks need, and land
+    the faults named for it. ``evaluate``: each trial NePS hands to this leader
+    ("neps_trial": its id, in order), so a test maps the N-th evaluation to NePS's id
+    even when the fault lands before the user's function runs; a pool's agent is at
+    that trial now. ``order``/``done``: a pool rank's part of a trial ("pool_trial")."""
+    if name == "evaluate":
+        record("neps_trial", trial_id=str(context["trial_id"]))
+        CURRENT["id"] = str(context["trial_id"])
+        return
+    if name == "order":
+        CURRENT.update(id=str(context["trial_id"]), rank=int(context["group_rank"]))
         record("pool_trial", trial_id=CURRENT["id"], group_rank=CURRENT["rank"])
-        try:
-            at("order")  # the rank has its order; the trial's group is not formed yet
-            clean = real_order(*args, **kwargs)
-            at("done")  # its part is over (rank 0: the outcome sent); not yet free
-            return clean
-        finally:
+    if name == "record" and POOL_ROLE is not None:
+        CURRENT["id"] = str(context["trial_id"])
+    if name == "ask" and POOL_ROLE != "agent":
+        return
+    upcoming = bool(context.get("before_function", name in UPCOMING))
+    try:
+        at(name, upcoming)
+    finally:
+        if name == "done":
             CURRENT.update(id=None, rank=None)
-
-    def send(self: Any, message: dict[str, Any]) -> None:
-        real_send(self, message)
-        if POOL_ROLE == "agent" and message.get("op") == "ask":
-            at("ask")  # the launcher places the trial now
-
-    pool_rank._run_order = run_order
-    wire.Conn.send = send  # type: ignore[method-assign]
-
-
-def _hook_settle() -> None:
-    """``settle``: inside neps_bcast's settling of an interrupted trial, where it puts
-    the trial back (``Leases.give_back``) or records it crashed (``record_crashed``): a
-    fault here is one that lands while the trial is settled."""
-    from neps_bcast.compat import neps as neps_compat
-    from neps_bcast.recovery import settle
-    from neps_bcast.recovery.lease import Leases
-
-    real_give_back = Leases.give_back
-    real_record = neps_compat.record_crashed
-
-    def giving_back(self: Any, *args: Any, **kwargs: Any) -> Any:
-        at("settle")  # the leader is putting an interrupted trial back to pending
-        return real_give_back(self, *args, **kwargs)
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        at("settle")  # the leader is recording an interrupted trial crashed
-        return real_record(*args, **kwargs)
-
-    Leases.give_back = giving_back  # type: ignore[method-assign]
-    settle.neps_compat.record_crashed = recording  # type: ignore[attr-defined]
-
-
-def _record_neps_order() -> None:
-    """Record each trial NePS hands to this leader ("neps_trial": its id, in order), as
-    it calls the evaluate function: a test maps the N-th evaluation to NePS's trial id
-    even when the fault lands before the user's function runs."""
-    import neps.runtime
-
-    real = neps.runtime.evaluate_trial
-
-    def evaluating(*args: Any, **kwargs: Any) -> Any:
-        trial = kwargs.get("trial", args[0] if args else None)
-        record("neps_trial", trial_id=str(getattr(trial, "id", "?")))
-        CURRENT["id"] = str(getattr(trial, "id", "?"))  # a pool's agent: its trial now
-        return real(*args, **kwargs)
-
-    neps.runtime.evaluate_trial = evaluating
-
-
-def _hook_neps() -> None:
-    from neps.state import neps_state as ns
-
-    real_sample = ns.NePSState._sample_trial
-    real_report = ns.NePSState._report_trial_evaluation
-
-    def sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
-        at("sample")  # the leader is choosing its next trial; its followers wait
-        return real_sample(self, *args, **kwargs)
-
-    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        trial = kwargs.get("trial", args[0] if args else None)
-        if POOL_ROLE is not None:
-            CURRENT["id"] = str(getattr(trial, "id", CURRENT["id"]))
-        at("record")
-        return real_report(self, *args, **kwargs)
-
-    ns.NePSState._sample_trial = sampling  # type: ignore[method-assign]
-    ns.NePSState._report_trial_evaluation = reporting  # type: ignore[method-assign]
 
 
 def _hook_reform() -> None:
@@ -444,44 +378,3 @@ def _hook_reform() -> None:
             SEQ["n"] -= 1
 
     dist.init_process_group = init
-
-
-STEPS = {
-    "lease": [("neps_bcast.recovery.lease", "Leases", "take", "before", True)],
-    "leased": [("neps_bcast.recovery.lease", "Leases", "take", "after", True)],
-    "handed": [("neps_bcast.runtime", "Runtime", "send", "after", True)],
-    "exchange": [("neps_bcast.trial", "TrialRun", "end", "before", False)],
-    "orphans": [("neps_bcast.recovery.lease", "Leases", "recover_orphans_if_due", "before", True)],
-    "form": [
-        ("neps_bcast.runtime", "Runtime", "reform_group", "before", True),  # Lightning's
-        ("neps_bcast.runtime", "Runtime", "form_group_for_session", "before", False),
-    ],
-    "stop": [("neps_bcast.runtime", "Runtime", "shutdown", "before", False)],
-}
-"""The control steps a fault may land in: each method a step wraps, on which side of its
-call, and whether it runs before the trial's function (``form``: the leader has the
-group formed again before the function under Lightning; under an external launcher
-``session()`` forms it, inside the function)."""
-
-
-def _hook_steps(points: set[str]) -> None:
-    import importlib
-
-    for point in sorted(points):
-        for module, cls_name, method, side, upcoming in STEPS[point]:
-            cls = getattr(importlib.import_module(module), cls_name)
-            setattr(cls, method, _around(getattr(cls, method), point, side, upcoming))
-
-
-def _around(real: Any, point: str, side: str, upcoming: bool) -> Any:
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if point == "handed" and type(args[0]).__name__ != "TrialMessage":
-            return real(self, *args, **kwargs)  # STOP is not a hand-over
-        if side == "before":
-            at(point, upcoming)
-        result = real(self, *args, **kwargs)
-        if side == "after":
-            at(point, upcoming)
-        return result
-
-    return step

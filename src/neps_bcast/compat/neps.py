@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,3 +338,33 @@ def _loaded_state(root: Path) -> Any:
 
     with _optimizer_lock(root):
         return NePSState.create_or_load(path=root, load_only=True)
+
+
+def call_before_sampling_and_recording(
+    before_sample: Callable[[], None], before_record: Callable[[str], None]
+) -> None:
+    """Call ``before_sample()`` as NePS starts sampling a trial and ``before_record(id)``
+    as it starts recording one's result (``NePSState._sample_trial`` and
+    ``_report_trial_evaluation``, private to NePS). Only for fault points that a test
+    armed (``neps_bcast.faults``): nothing installs it otherwise. Installing twice keeps
+    one wrapper."""
+    from neps.state.neps_state import NePSState
+
+    sample = getattr(NePSState._sample_trial, "__wrapped__", NePSState._sample_trial)
+    report = getattr(
+        NePSState._report_trial_evaluation, "__wrapped__", NePSState._report_trial_evaluation
+    )
+
+    def sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before_sample()
+        return sample(self, *args, **kwargs)
+
+    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        trial = kwargs.get("trial", args[0] if args else None)
+        before_record(str(getattr(trial, "id", "?")))
+        return report(self, *args, **kwargs)
+
+    sampling.__wrapped__ = sample  # type: ignore[attr-defined]
+    reporting.__wrapped__ = report  # type: ignore[attr-defined]
+    NePSState._sample_trial = sampling  # type: ignore[method-assign]
+    NePSState._report_trial_evaluation = reporting  # type: ignore[method-assign]

@@ -48,6 +48,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from neps_bcast import faults
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import Settings
 from neps_bcast.log import logger
@@ -104,6 +105,7 @@ class Leases:
         a trial without its lease yet is one whose leader died before it wrote one, and
         NePS's own record of this worker proves that owner dead or alive the same way
         (``lease_file.why_dead``). A hand-back writes it first (``give_back``)."""
+        faults.point("lease")
         now = time.time()
         previous = read_lease(trial_dir)
         attempts = previous.attempts if previous is not None else ()
@@ -117,6 +119,7 @@ class Leases:
             )
             self._thread.start()
         self._wake.set()
+        faults.point("leased")
         return len(attempts) + 1
 
     def written(self, timeout: float) -> bool:
@@ -204,6 +207,7 @@ class Leases:
         """This leader abandons its trial for an infrastructure reason (``how``): back to
         pending, or crashed once it was interrupted more than the retry limit. Returns
         what became of it."""
+        faults.point("settle")
         with self._lock:
             fresh = self._unwritten
         if fresh is not None and fresh[1].trial_id == trial_id:
@@ -245,6 +249,7 @@ class Leases:
         heartbeat periods; an owner on this machine is dead at once, and its trial now
         waits at most one period more, while NePS samples a new one.
         """
+        faults.point("orphans")
         if self._looked_at is not None and time.monotonic() - self._looked_at < self.heartbeat_s:
             return []
         return self.recover_orphans()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+from neps_bcast import faults
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.errors import FollowerLostError, first_line
 from neps_bcast.log import logger
@@ -67,8 +68,10 @@ def _settle(
         what = leases.give_back(info.trial_id, info.pipeline_directory, why)
         logger.warning("%strial %s: %s%s", how[0], info.trial_id, what, how[1])
     elif lost:
+        faults.point("settle")
         neps_compat.record_crashed(info.trial_id, root_directory, exc)
     else:
+        faults.point("settle")
         neps_compat.record_crashed(
             info.trial_id,
             root_directory,
