@@ -101,10 +101,9 @@ def serve(fn: Callable[..., Any], settings: Settings) -> None:
     environ = os.environ
     index = int(environ[wire.ENV_POOL_INDEX])
     key = environ[wire.ENV_POOL_KEY]
-    # Warm before the launcher counts this device free: each trial's launch detection
-    # reads Lightning's cluster environments, whose first import took 16-40 s at load
-    # (the benchmark's first trial on a rank), and an external launch's start imports
-    # the rest of what a trial needs.
+    # Warm before the launcher counts this device free: an external launch's start
+    # imports what a trial needs (Lightning is not among it: detection reads the
+    # launchers' variables itself).
     detect()
     conn = wire.connect(environ[wire.ENV_POOL], key, "rank", index)
     if torch.cuda.is_available():
