@@ -14,6 +14,7 @@ import logging
 import operator
 import os
 import pickle
+import signal
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from neps_bcast.errors import (
     format_message,
 )
 from neps_bcast.launcher import wire
+from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, new_secret
@@ -101,6 +103,16 @@ class Remote:
         """Each running trial's rendezvous store, served until its ranks are free."""
 
     def __call__(self, rt: Runtime, message: TrialMessage) -> Outcome:
+        try:
+            return self._run(rt, message)
+        except wire.WireError as exc:
+            # The launcher is gone (SIGKILLed, crashed): its parent-death SIGTERM may come
+            # after the end of its socket. Not the user's error: the trial goes back to
+            # pending, as for a SIGTERM, and this agent stops (no launcher, no ranks).
+            rt.log(logging.ERROR, "the pool's launcher is gone: %s", exc)
+            raise Terminated(128 + signal.SIGTERM, f"the pool's launcher lost ({exc})") from exc
+
+    def _run(self, rt: Runtime, message: TrialMessage) -> Outcome:
         config = {k: v for k, v in message.kwargs.items() if k not in INJECTED_ARGUMENTS}
         try:
             ranks = trial_size(self.ranks_per_trial, config, self.size, rt.tag)
