@@ -248,3 +248,17 @@ def test_a_trial_gets_torchruns_variables_for_its_rank_and_store() -> None:
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "4242")
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the agent's store: no rank binds
     assert env["TORCHELASTIC_RUN_ID"].endswith("abc")
+
+
+def test_a_trials_rendezvous_store_listens_on_loopback_only() -> None:
+    """Every rank of a pool runs on the launcher's host: the agent's per-trial store,
+    where the trial's rank 0 publishes its control store and torch forms the trial's
+    group, must not be reachable (and writable) from another host."""
+    from neps_bcast.pool_agent import trial_store
+    from neps_bcast.transport.sockets import own_listening
+
+    store = trial_store()
+    listening = {host for host, port in own_listening() if port == store.port}
+    assert listening == {"127.0.0.1"}, listening
+    store.set("neps_bcast/probe", "1")
+    assert store.get("neps_bcast/probe") == b"1"

@@ -10,6 +10,7 @@ trial's rank 0 sends back the outcome. A lost rank puts only this trial back to 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import operator
 import os
@@ -21,7 +22,6 @@ from typing import Any
 
 from neps_bcast import faults, leader
 from neps_bcast.compat import neps as neps_compat
-from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.config import Settings
 from neps_bcast.errors import (
@@ -36,6 +36,7 @@ from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, new_secret
 from neps_bcast.transport.messages import TrialMessage, encode
+from neps_bcast.transport.store import serve as serve_store
 from neps_bcast.trial import Outcome
 
 RanksPerTrial = Callable[[dict[str, Any]], int]
@@ -90,6 +91,17 @@ def check_up_front(
         trial_size(ranks_per_trial, config, size, tag, when="before the search starts: ")
 
 
+TRIAL_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+"""A trial's rendezvous store: torch's default bound on a wait there."""
+
+
+def trial_store() -> Any:
+    """A trial's rendezvous store, served by its agent as torchrun's agent serves one:
+    on loopback only (a pool's ranks all run on this host; torch's TCPStore otherwise
+    listens on every interface, where another host could overwrite the trial's keys)."""
+    return serve_store(TRIAL_STORE_TIMEOUT, loopback=True, multi_tenant=True)
+
+
 class Remote:
     """``leader.RunTrial`` for a pool's agent: the trial runs on the ranks the launcher
     gives it; this waits (blocked on the launcher's socket) for their outcome."""
@@ -119,9 +131,7 @@ class Remote:
         except NepsBcastError as exc:
             return Outcome(None, exc, [ErrorRecord.from_exception(0, exc, pid=os.getpid())])
         order = uuid.uuid4().hex
-        store = torch_compat.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True
-        )
+        store = trial_store()
         self.stores[order] = store
         self.conn.send(
             {

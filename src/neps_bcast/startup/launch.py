@@ -160,9 +160,7 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
         world_size = _int_env(names.world_size, env)
         global_rank = _int_env(names.global_rank, env)
         cluster_local = _int_env(names.local_rank, env) if names.local_rank in env else 0
-        node_rank = next(
-            (_int_env(name, env) for name in names.node_rank if env.get(name)), 0
-        )
+        node_rank = next((_int_env(name, env) for name in names.node_rank if env.get(name)), 0)
         address = env.get("MASTER_ADDR") or names.default_address(env)
         port = _int_env("MASTER_PORT", env) if "MASTER_PORT" in env else names.default_port(env)
 
