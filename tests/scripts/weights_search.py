@@ -10,15 +10,19 @@ Test hooks (tests/scripts/probe.py): at each trial's function start and after it
 every rank records the tensors it holds of at least the weight's size, its RSS and, on
 a GPU, the memory allocated there ("heap"); ``NB_BROKEN_DEVICES`` (a pool: device
 indexes, or ``all``) makes those devices fail at the library's ``device`` fault point,
-every time their rank starts; ``--oom-trial N`` makes the N-th trial ask its device
+every time their rank starts; ``NB_WAIT_FOR`` holds each trial until a log says
+something (``wait_for_text``); ``--oom-trial N`` makes the N-th trial ask its device
 for far more memory than it has.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import time
+from pathlib import Path
 
 import lightning as L
 import neps
@@ -64,6 +68,7 @@ class Space(neps.PipelineSpace):
 @probe.evaluation
 def evaluate_pipeline(lr: float) -> float:
     probe.heap(ARGS.size * ARGS.size, "start")
+    wait_for_text()
     with neps_bcast.session() as trial:
         probe.trial(trial)
         if probe.SEQ["n"] == ARGS.oom_trial:
@@ -86,6 +91,20 @@ def evaluate_pipeline(lr: float) -> float:
         probe.heap(ARGS.size * ARGS.size, "trained")
         probe.trained(trial.rank, loss)
     return loss
+
+
+def wait_for_text() -> None:
+    """``NB_WAIT_FOR=PATH::TEXT`` (test orchestration only): every trial waits, 180 s at
+    most, until the file PATH holds TEXT (the search outlasts a device's retirement)."""
+    if not os.environ.get("NB_WAIT_FOR"):
+        return
+    path, text = os.environ["NB_WAIT_FOR"].split("::", 1)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if text in Path(path).read_text(errors="replace"):
+                return
+        time.sleep(0.1)  # a bounded poll of a log file, not synchronization of ranks
 
 
 def break_devices(broken: str) -> None:
