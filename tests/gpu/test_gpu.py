@@ -104,14 +104,14 @@ def weights(*args: object) -> list[str]:
 
 
 def test_lightning_ddp_on_nccl_an_oom_trial_is_crashed_and_the_next_runs(tmp_path: Path) -> None:
-    """Lightning ``strategy="ddp"``, ``accelerator="gpu"``, ``devices=1``, 4 trials; the
+    """Lightning ``strategy="ddp"``, ``accelerator="gpu"``, ``devices=1``, 6 trials; the
     2nd asks for 2 TiB: recorded crashed with CUDA's OutOfMemoryError text."""
     launch = Launch(
-        weights("--devices", 1, "--trials", 4, "--size", 4096, "--oom-trial", 2), tmp_path
+        weights("--devices", 1, "--trials", 6, "--size", 4096, "--oom-trial", 2), tmp_path
     )
     launch.check_clean()
     recorded = states(launch.root)
-    assert recorded == {"1": "success", "2": "crashed", "3": "success", "4": "success"}, (
+    assert recorded == {str(i): "crashed" if i == 2 else "success" for i in range(1, 7)}, (
         recorded,
         launch.log,
     )
@@ -222,7 +222,7 @@ def test_a_search_whose_trials_take_most_of_the_card_finishes_every_trial(tmp_pa
             "heap": [
                 {
                     k: e.get(k)
-                    for k in ("where", "seq", "big_tensors", "cuda_allocated", "cuda_peak")
+                    for k in ("where", "seq", "big_tensors", "rss", "cuda_allocated", "cuda_peak")
                 }
                 for e in trained
             ],
@@ -230,8 +230,13 @@ def test_a_search_whose_trials_take_most_of_the_card_finishes_every_trial(tmp_pa
     )
     launch.check_clean()
     assert states(launch.root) == {"1": "success", "2": "success", "3": "success"}, launch.log
+    weight = size * size * 4
     for es in launch.starts().values():
-        assert [e["cuda_allocated"] for e in es][1:] == [0] * (len(es) - 1), es
+        # Lightning's teardown moves the model and Adam's state to the host: an earlier
+        # trial's leftovers are 3 weights of RSS there (62 GB measured), not on the card.
+        assert [e["big_tensors"] for e in es] == [0] * len(es), es
+        assert all(e["cuda_allocated"] < weight // 100 for e in es), es
+        assert all(e["rss"] < weight for e in es), es
 
 
 @pytest.mark.gpus(2)
