@@ -248,23 +248,33 @@ class Pool:
         sock, _ = self.server.accept()
         conn = wire.Conn(sock)
         try:
-            hello = wire.accept(conn, self.key)
+            hello = wire.accept(conn, self.key, self._admit)
         except (wire.WireError, TimeoutError, OSError) as exc:
             self.display.say(f"refused a connection to the pool's socket: {exc}")
             conn.close()
             return
         role, index = hello["role"], hello["index"]
-        member = (self.agents if role == "agent" else self.ranks).get(index)
-        if member is None or member.proc.pid != hello.get("pid") or member.conn is not None:
-            conn.send({"op": "refused", "why": "not a process this launcher started"})
-            conn.close()
-            return
+        member = (self.agents if role == "agent" else self.ranks)[index]
         member.conn = conn
         member.said_hello = True
         if role == "rank":
             self.start_failures.pop(index, None)
         if role == "rank" and self.stop_deadline is None:
             self.placement.set_available(index, True)
+
+    def _admit(self, hello: dict[str, Any]) -> str | None:
+        """Why the process that proved the key is not taken (None: it is): it must be
+        the one this launcher started for its role and index (by the kernel's pid),
+        not yet connected."""
+        role, index, pid = hello["role"], hello["index"], hello["pid"]
+        member = (self.agents if role == "agent" else self.ranks).get(index)
+        if member is None:
+            return f"this launcher started no {role} {index}"
+        if member.proc.pid != pid:
+            return f"{role} {index} is pid {member.proc.pid} here, not pid {pid}"
+        if member.conn is not None:
+            return f"{role} {index} (pid {pid}) is connected already"
+        return None
 
     def _read(self, member: Member) -> None:
         assert member.conn is not None

@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 ENV_POOL = "NEPS_BCAST_POOL"
@@ -159,10 +160,16 @@ def parse(line: bytes) -> dict[str, Any]:
     return record
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The connected process's pid and uid as the kernel saw them at ``connect``
+    (``SO_PEERCRED``), not as the process claims them."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return peer_credentials(sock)[1]
 
 
 def connect(path: str, key: str, role: str, index: int) -> Conn:
@@ -194,10 +201,15 @@ def connect(path: str, key: str, role: str, index: int) -> Conn:
     return conn
 
 
-def accept(conn: Conn, key: str) -> dict[str, Any]:
+def accept(
+    conn: Conn, key: str, admit: Callable[[dict[str, Any]], str | None] = lambda hello: None
+) -> dict[str, Any]:
     """The launcher's side of the opening (blocking, bounded): the hello of a process
-    that proved the key and is this user; ``WireError`` otherwise."""
-    uid = peer_uid(conn.sock)
+    that proved the key and is this user; ``WireError`` otherwise. The hello's ``pid``
+    is the kernel's (``SO_PEERCRED``), whatever the process wrote. ``admit(hello)``, last,
+    names why the launcher will not take this process (None: welcome): the process then
+    hears the reason at its ``connect`` instead of a welcome and a closed socket."""
+    pid, uid = peer_credentials(conn.sock)
     if uid != os.geteuid():
         raise WireError(f"a process of uid {uid} connected: refused")
     hello = conn.receive(_HELLO_TIMEOUT_S)
@@ -218,5 +230,10 @@ def accept(conn: Conn, key: str) -> dict[str, Any]:
     if answer.get("op") != "proof" or not hmac.compare_digest(str(answer.get("proof")), expected):
         conn.send({"op": "refused", "why": "the pool's key was not proven"})
         raise WireError("a process that did not prove the pool's key: refused")
+    hello = {**hello, "pid": pid}
+    why = admit(hello)
+    if why is not None:
+        conn.send({"op": "refused", "why": why})
+        raise WireError(f"{role} {index} (pid {pid}) refused: {why}")
     conn.send({"op": "welcome"})
     return hello
