@@ -119,3 +119,11 @@ def test_one_short_launch_reaches_every_point_of_the_library(traced_pool: Result
 def test_the_traced_launch_finished_its_budget_and_left_nothing(traced_pool: Result) -> None:
     assert traced_pool.returncode == 0, traced_pool.tail()
     assert_nothing_left(traced_pool)
+
+
+def test_the_users_function_does_not_see_the_pools_key(traced_pool: Result) -> None:
+    """The key proves membership of the pool and seals its payloads: read once by each
+    agent and rank, it is out of the environment before the user's code runs."""
+    seen = traced_pool.of("environment")
+    assert seen, "no trial recorded its environment"
+    assert not any(e["pool_key"] for e in seen), seen

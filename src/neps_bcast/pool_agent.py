@@ -198,13 +198,14 @@ def run_agent(
     pool's ranks, until the search is over."""
     environ = os.environ
     index = int(environ[wire.ENV_POOL_INDEX])
-    conn = wire.connect(environ[wire.ENV_POOL], environ[wire.ENV_POOL_KEY], "agent", index)
+    key = wire.take_key(environ)
+    conn = wire.connect(environ[wire.ENV_POOL], key, "agent", index)
     launch = Launch(
         kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
     )
     rt = Runtime(launch, settings, Signer(new_secret()))
     check_up_front(ranks_per_trial, pipeline_space, pool_size(environ), rt.tag)
-    remote = Remote(conn, environ[wire.ENV_POOL_KEY], pool_size(environ), ranks_per_trial)
+    remote = Remote(conn, key, pool_size(environ), ranks_per_trial)
     with rt.activated():
         try:
             leader.lead(rt, fn, pipeline_space, kwargs, run_trial=remote)

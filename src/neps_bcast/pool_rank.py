@@ -105,7 +105,7 @@ def serve(fn: Callable[..., Any], settings: Settings) -> None:
     the search is over (returns) or that this rank is recycled (``Recycled``)."""
     environ = os.environ
     index = int(environ[wire.ENV_POOL_INDEX])
-    key = environ[wire.ENV_POOL_KEY]
+    key = wire.take_key(environ)
     # Warm before the launcher counts this device free: an external launch's start
     # imports what a trial needs (Lightning is not among it: detection reads the
     # launchers' variables itself).

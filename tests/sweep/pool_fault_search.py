@@ -41,6 +41,7 @@ def evaluate_pipeline(lr: float) -> float:
         dist.init_process_group("gloo")  # torchrun's variables, as the tutorial
     with neps_bcast.session() as trial:
         probe.trial(trial)
+        probe.record("environment", pool_key="NEPS_BCAST_POOL_KEY" in os.environ)
         model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         torch.manual_seed(0)

@@ -22,7 +22,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 ENV_POOL = "NEPS_BCAST_POOL"
@@ -36,6 +36,19 @@ ENV_POOL_SIZE = "NEPS_BCAST_POOL_SIZE"
 ENV_POOL_KEY = "NEPS_BCAST_POOL_KEY"
 """The pool's key, hex (proves a connection, seals payloads)."""
 POOL_VARIABLES = (ENV_POOL, ENV_POOL_ROLE, ENV_POOL_INDEX, ENV_POOL_SIZE, ENV_POOL_KEY)
+
+
+def take_key(environ: MutableMapping[str, str]) -> str:
+    """The pool's key, taken out of the environment as it is read: nothing the user's
+    code starts (a subprocess, a data loader's worker, a shell) inherits it."""
+    key = environ.pop(ENV_POOL_KEY, None)
+    if not key:
+        raise WireError(
+            f"{ENV_POOL_KEY} is not set: this process was not started by neps-bcast launch"
+            " --pool (or read the key already)"
+        )
+    return key
+
 
 MAX_LINE = 256 * 1024 * 1024
 """Largest line read: a trial's sealed arguments or result, base64."""
