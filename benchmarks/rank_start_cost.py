@@ -24,7 +24,7 @@ import textwrap
 from pathlib import Path
 
 SCRIPT = textwrap.dedent(
-    '''
+    """
     import json, os, resource, sys, time
     import neps
     import neps_bcast
@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent(
             kwargs["ranks_per_trial"] = lambda config: 2
         neps_bcast.run(evaluate_pipeline, pipeline_space=Space(), root_directory=sys.argv[1],
                        total_evaluations_to_spend=1, optimizer="random_search", **kwargs)
-    '''
+    """
 )
 
 
