@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import launches
 from exits import ExitWatch
 from neps_bcast.compat import procfs
 from scenario import Scenario
@@ -86,6 +87,17 @@ def srun(ntasks: int, script: Path, *args: object) -> list[str]:
     """Simulated SLURM (tests/scripts/fake_srun.py): the caller's env must give
     MASTER_ADDR and MASTER_PORT, as an sbatch script exports them."""
     return [PYTHON, str(FAKE_SRUN), "--ntasks", str(ntasks), "--", *python(script, *args)]
+
+
+def kind_of(cmd: Sequence[str]) -> str:
+    """What a command launches, for the launch counter (tests/launches.py)."""
+    if Path(cmd[0]).name == "torchrun":
+        return "torchrun"
+    if Path(cmd[0]).name == "neps-bcast":
+        return "neps-bcast launch"
+    if FAKE_SRUN.name in " ".join(cmd):
+        return "srun"
+    return "python"
 
 
 def root_of(command: Sequence[str], cwd: Path) -> Path:
@@ -250,6 +262,7 @@ class Running:
         self.timeout = timeout
         self.started = time.monotonic()
         self._log = (folder / "launcher.log").open("wb")
+        launches.count(kind_of(cmd))
         self.watch = ExitWatch.get()  # listening before the first process of the launch
         self.proc = subprocess.Popen(
             cmd,

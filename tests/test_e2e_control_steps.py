@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+import launches
 from harness import MARKER, SCRIPTS, TORCHRUN, base_env, default_sigint, marked_pids, neps_trials
 
 SCRIPT = SCRIPTS / "interrupted_handover.py"
@@ -53,6 +54,7 @@ def interrupted(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     command = [TORCHRUN, "--standalone", "--nproc-per-node=2", str(SCRIPT)]
     command += ["--root", str(root), "--trials", "4", "--fault-at", "2"]
     start = time.monotonic()
+    launches.count("torchrun")
     proc = subprocess.Popen(
         command,
         env=base_env(**{MARKER: marker}),

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+import launches
 from harness import FAKE_SRUN, MARKER, PYTHON, base_env, default_sigint, marked_pids, neps_trials
 from neps_bcast.compat import procfs
 from neps_bcast.transport import sockets
@@ -143,6 +144,7 @@ def launch(
         *args,
         str(SCRIPT),
     ]
+    launches.count("neps-bcast launch")
     with (tmp_path / "launcher.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd,

@@ -21,6 +21,7 @@ from typing import IO
 
 import pytest
 
+import launches
 from harness import PYTHON, base_env
 
 NEPS_WORKER = textwrap.dedent(
@@ -148,6 +149,7 @@ class TestOurReadsNeverSeeNepsStateMidWrite:
         worker_script = tmp_path / "neps_worker.py"
         worker_script.write_text(NEPS_WORKER)
         log = tmp_path / "neps_worker.log"
+        launches.count("python")
         with log.open("w") as err:
             worker = subprocess.Popen(
                 [PYTHON, str(worker_script), str(root)],

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import launches
 from harness import MARKER, PYTHON, TORCHRUN, base_env, marked_pids, neps_trials
 from neps_bcast.compat import procfs
 
@@ -27,6 +28,7 @@ def run_example(cmd: list[str], tmp_path: Path, timeout: float = 240) -> str:
     marker = uuid.uuid4().hex
     env = base_env()
     env[MARKER] = marker
+    launches.count("example")
     try:
         done = subprocess.run(
             cmd,
