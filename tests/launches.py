@@ -112,6 +112,7 @@ def tally(launches: Iterable[dict[str, str]], budget: int | None) -> Tally:
 
 _TALLY = pytest.StashKey[Tally]()
 _DIR = pytest.StashKey[Path]()
+_NOTHING = pytest.StashKey[bool]()
 
 
 def is_controller(config: pytest.Config) -> bool:
@@ -139,6 +140,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     config.stash[_TALLY] = result
     if result.over:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if session.exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        # A selection that ran zero tests tested nothing: a failure, not pytest's 5
+        # (which a script may take for "nothing to do").
+        config.stash[_NOTHING] = True
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
@@ -146,6 +152,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _TALLY not in config.stash:
         return
     result = config.stash[_TALLY]
+    if config.stash.get(_NOTHING, False):
+        terminalreporter.write_sep("=", "no tests ran: a failure", red=True, bold=True)
     if result.over:
         terminalreporter.write_sep("=", "launch budget exceeded", red=True, bold=True)
         terminalreporter.write_line(result.failure())

@@ -85,13 +85,24 @@ def test_two():
 """
 
 
-def session(tmp_path: Path, budget: str) -> subprocess.CompletedProcess[str]:
+def session(tmp_path: Path, budget: str, *args: str) -> subprocess.CompletedProcess[str]:
     """A pytest session of three launches over two xdist workers, with ``budget``."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "test_three.py").write_text(textwrap.dedent(SESSION))
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS), launches.BUDGET_ENV: budget}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "launches", "-n", "2", "-p", "no:cacheprovider"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "launches",
+            "-n",
+            "2",
+            "-p",
+            "no:cacheprovider",
+            *args,
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -113,3 +124,10 @@ def test_a_session_past_its_budget_fails_naming_count_budget_and_file(tmp_path: 
     assert "2 passed" in done.stdout, done.stdout  # every test passed: the budget failed it
     assert "made 3 real launches, its budget (NEPS_BCAST_LAUNCH_BUDGET) is 2" in done.stdout
     assert "     3  test_three.py" in done.stdout, done.stdout
+
+
+def test_a_session_that_runs_no_test_fails(tmp_path: Path) -> None:
+    """pytest's own exit for it is 5, which a script may take for "nothing to do"."""
+    done = session(tmp_path, "3", "-k", "no_such_test")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "no tests ran: a failure" in done.stdout, done.stdout
