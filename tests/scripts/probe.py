@@ -410,7 +410,7 @@ def _watch_fds(roots: tuple[str, ...]) -> Callable[[], None]:
     brings it back to 50 ms. So a file held open over 200 ms is seen, a shorter one
     may be missed: this is sampling. Why not 50 ms always: it runs in every process, and
     a follower waiting for its leader must stay under 1% of a core
-    (tests/test_e2e_lightning.py, read in 10 ms clock ticks over 4 s). A look costs
+    (tests/e2e/test_e2e_lightning.py, read in 10 ms clock ticks over 4 s). A look costs
     200-300 us of CPU on 2 busy cores (listing and ``fstat`` of 17 fds, cold caches);
     measured at load 5-12, such a follower used 0.25-1.0% of a core without the watch
     (5 runs), 1.25% with looks every 50 ms (3 runs), 0.5-0.75% as here (3 runs); a
