@@ -34,8 +34,8 @@ demo: install
 	OMP_NUM_THREADS=1 $(PY) examples/lightning_ddp.py --devices 2 --trials 10 --root results/demo
 
 # The README's command: <= 10 min on a quiet 2-core machine. Its launches: the examples
-# as README says (6), the guarantees (tests/test_e2e_guarantees.py, 10), the handshake and
-# root-guard tests (4), and 2 for tests/test_e2e_clean_device.py; 2 spare.
+# as README says (6), the guarantees (tests/test_e2e_guarantees.py, 10), the handshake,
+# root-guard and fault-point tests (5), and 2 for tests/test_e2e_clean_device.py; 1 spare.
 TEST_LAUNCHES ?= 24
 test: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(TEST_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
