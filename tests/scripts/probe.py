@@ -55,10 +55,12 @@ follower's also in ``count`` and ``paths``)."""
 
 
 def my_rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    # Only where torch is imported already: a group cannot be initialized otherwise, and
+    # importing torch in an atexit handler (the "exit_path" record) fails ("can't
+    # register atexit after shutdown").
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
     for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
         if name in os.environ:
             return int(os.environ[name])
