@@ -48,6 +48,7 @@ from table import (
 )
 
 from harness import (
+    HANG_S,
     LIGHTNING,
     TORCH_DDP,
     Result,
@@ -61,6 +62,10 @@ from harness import (
     torchrun,
     trials_by_rank,
 )
+
+BOUND_S = HANG_S
+"""A hang detector only (tests/sweep/test_pool_sweep.py reads it): this sweep checks why
+a launch ended (``Result.ended_on_their_own``), not how many seconds it took."""
 
 BUDGET = 3 * len(FAULTS) + 4
 """A chain's ``--trials``: each faulted launch spends at most three evaluations, and
@@ -331,11 +336,13 @@ ALL_ZERO = Expect("returns", {}, S({0}), S({0}), False)
 
 ABORTED = ("terminate called", "Fatal Python error", "Aborted", "core dumped")
 GLOO_CLOSED = r"RuntimeError: \[[^\]]*gloo/transport/tcp/pair\.cc:\d+\] Connection closed by peer \[127\.0\.0\.1\]:\d+\. [^\n]*"
-TERMINATED_IN_FIT = (
+TERMINATED = (
     r"\n--- traceback of rank 1 \(pid {pid1}\) ---\nTraceback \(most recent call last\):\n"
-    r".*    faults\.at\(\"fit\"\)\n.*    os\.kill\(pid, SIGNALS\[f\.kind\]\)\n"
     r".*\n[\w.]*Terminated: 143\n"
 )
+"""Rank 1's traceback, ending in its Terminated: 143. Its frames are wherever the signal
+found it: the leader sends it from its own step (the removed launch's follower signalled
+itself, so its traceback ran through ``faults.at("fit")``)."""
 RAISED = {
     # fault -> each rank's (what its evaluation raised, that error's whole text)
     "term_all": {0: ("Terminated", "143"), 1: ("Terminated", "143")},
@@ -345,7 +352,7 @@ RAISED = {
         0: (
             "TrialFailedError",
             r"\[neps_bcast rank 0/2 leader\] trial {tid} failed on rank 1: rank 1: Terminated:"
-            r" 143\. Caused by it: rank 0: " + GLOO_CLOSED + TERMINATED_IN_FIT,
+            r" 143\. Caused by it: rank 0: " + GLOO_CLOSED + TERMINATED,
         ),
         1: ("Terminated", "143"),
     },
