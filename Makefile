@@ -1,4 +1,10 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
+# The test tiers (docs/test-tiers.md), each with a budget of real launches (a search's
+# processes started as users start them: tests/launches.py counts them and fails the tier
+# past its budget, NEPS_BCAST_LAUNCH_BUDGET): `make test` (unit and in-process tests, and
+# one launch per launcher and per guarantee class), `make test-e2e` (every other
+# end-to-end scenario), `make test-faults` (every fault at every step), `make test-slurm`
+# (a real SLURM cluster). .ci/run runs them all, and `make lint`.
 # The virtual environment is built from requirements.lock (every package pinned,
 # installed without resolution so nothing can drift; torch is the 2.13.0 CPU wheel).
 # `make test-newest` runs the same suite in a second environment, .venv-newest: the same pins with
@@ -12,7 +18,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-faults lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
+.PHONY: install demo test test-e2e test-faults lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
 
 install: $(STAMP)
 
@@ -27,15 +33,26 @@ demo: install
 	rm -rf results/demo
 	OMP_NUM_THREADS=1 $(PY) examples/lightning_ddp.py --devices 2 --trials 10 --root results/demo
 
+# The README's command: <= 10 min on a quiet 2-core machine. Its launches: the examples
+# as README says (6), the guarantees (tests/test_e2e_guarantees.py, 10), the handshake,
+# root-guard and fault-point tests (5), and 2 for tests/test_e2e_clean_device.py; 1 spare.
+TEST_LAUNCHES ?= 24
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
+	NEPS_BCAST_LAUNCH_BUDGET=$(TEST_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
+
+# Every other end-to-end scenario (tests/e2e), each launched as users launch it.
+E2E_LAUNCHES ?= 80
+test-e2e: install
+	NEPS_BCAST_LAUNCH_BUDGET=$(E2E_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider tests/e2e
 
 # Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
 # cell and its rerun, a chain of cells per worker. Three workers on two cores: a chain
 # mostly waits (for a fault to be seen, a launch to end), at two the load stayed 1.2-1.6.
+# Launches: one per cell (162 + the pool's) and each chain's last run.
 SWEEP_XDIST ?= 3
+FAULT_LAUNCHES ?= 200
 test-faults: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
+	NEPS_BCAST_LAUNCH_BUDGET=$(FAULT_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
 
 # A real one-node SLURM cluster (slurmctld, slurmd, munge; installed with apt-get when missing,
 # as root), the tests in tests/slurm against it, then the cluster stopped whatever the result.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import launches
 from exits import ExitWatch
 from neps_bcast.compat import procfs
 from scenario import Scenario
@@ -53,6 +57,19 @@ FAKE_SRUN = SCRIPTS / "fake_srun.py"
 PYTHON = sys.executable
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 MARKER = "NB_LAUNCH_MARKER"
+HANG_S = 180.0
+"""A hang detector, not a measure of speed: a process that ends by its own path ends well
+within this on any machine's load; a 30-minute group timeout or a lost wake-up does not."""
+TIMED_OUT = re.compile(
+    r"did not join within|JoinTimeoutError|within \d+ s; expected ranks"
+    r"|for more than \d+ s while starting|timed out|Timed out|Socket Timeout|[Ww]ait timeout"
+)
+"""A log line that says a wait ended by its timeout: neps_bcast's own (a rank that did not
+join its channel, a rendezvous or lock past its bound), torch's store and gloo."""
+LINGER_S = 60.0
+"""How long, once the launcher exited, the harness waits for the launch's other processes
+to be gone (the wait returns as soon as they are): a hang detector too. 15 s was a bound
+that a loaded machine broke (an interpreter's exit takes seconds there)."""
 
 LAUNCH_VARS = (
     "RANK",
@@ -86,6 +103,17 @@ def srun(ntasks: int, script: Path, *args: object) -> list[str]:
     """Simulated SLURM (tests/scripts/fake_srun.py): the caller's env must give
     MASTER_ADDR and MASTER_PORT, as an sbatch script exports them."""
     return [PYTHON, str(FAKE_SRUN), "--ntasks", str(ntasks), "--", *python(script, *args)]
+
+
+def kind_of(cmd: Sequence[str]) -> str:
+    """What a command launches, for the launch counter (tests/launches.py)."""
+    if Path(cmd[0]).name == "torchrun":
+        return "torchrun"
+    if Path(cmd[0]).name == "neps-bcast":
+        return "neps-bcast launch"
+    if FAKE_SRUN.name in " ".join(cmd):
+        return "srun"
+    return "python"
 
 
 def root_of(command: Sequence[str], cwd: Path) -> Path:
@@ -203,20 +231,52 @@ class Result:
             for name, text in self.rank_logs.items()
         )
 
-    def gone_within(self, since: float, bound: float) -> None:
-        """Assert that every process was gone within ``bound`` s of ``since`` (a record's
-        time); if not, the message gives every record's time from ``since`` and the logs,
-        so a slow exit shows which rank waited and where."""
-        took = self.gone_at - since
-        timeline = "\n".join(
+    def timeline(self, since: float) -> str:
+        """Every record's time from ``since`` on (and one second before), one a line."""
+        return "\n".join(
             f"  {e['t'] - since:+8.2f} s  rank {e.get('proc_rank')} pid {e.get('pid')}:"
             f" {e['event']} {e.get('type') or e.get('kind') or e.get('code', '')}"
             for e in sorted(self.events, key=lambda e: e["t"])
             if e["t"] >= since - 1.0
         )
-        assert took < bound, (
-            f"the launch was gone {took:.1f} s after the fault (bound {bound:g} s);"
-            f" records from the fault on:\n{timeline}\n{self.tail(80)}"
+
+    def waits_that_timed_out(self) -> list[str]:
+        """Every log line that says a wait ended by its timeout (``TIMED_OUT``)."""
+        return [
+            f"{name}: {line.strip()}"
+            for name, text in self.rank_logs.items()
+            for line in text.splitlines()
+            if TIMED_OUT.search(line)
+        ]
+
+    def ended_on_their_own(self, since: float) -> None:
+        """Why the launch ended, from ``since`` (a fault's or a signal's record time) on:
+        every process of it ended by its own path, not by a bound.
+
+        - none was left for the harness to kill: its wait for the processes to be gone
+          (``linger``) returned because they were, not by its timeout (``left_alive``);
+        - the kernel heard every process that started end (none was still alive);
+        - no log says that a wait of the library's or torch's ended by its timeout
+          (``TIMED_OUT``: a rendezvous, a join, a store, a lock);
+        - a hang detector only: gone within ``HANG_S`` of ``since``, far above any
+          machine's load (the launch's own deadline bounds it anyway).
+
+        Seconds are not the check: on a busy machine a correct exit takes long (once
+        117 s for a Ctrl-C, at load 13-20 a follower's interpreter took over 5 s to
+        end); what must never happen is a wait ending because its time ran out."""
+        context = f"records from {since:.2f} on:\n{self.timeline(since)}\n{self.tail(80)}"
+        assert not self.left_alive, (
+            f"processes {self.left_alive} were still alive when the harness stopped waiting;"
+            f" {context}"
+        )
+        unheard = sorted(pid for pid, status in self.os_exits.items() if status is None)
+        assert not unheard, f"no exit heard for pids {unheard}; {context}"
+        timed_out = self.waits_that_timed_out()
+        assert not timed_out, f"a wait ended by its timeout: {timed_out}; {context}"
+        took = self.gone_at - since
+        assert took < HANG_S, (
+            f"the launch was gone {took:.1f} s after {since:.2f} (hang detector {HANG_S:g} s);"
+            f" {context}"
         )
 
     @property
@@ -250,6 +310,7 @@ class Running:
         self.timeout = timeout
         self.started = time.monotonic()
         self._log = (folder / "launcher.log").open("wb")
+        launches.count(kind_of(cmd))
         self.watch = ExitWatch.get()  # listening before the first process of the launch
         self.proc = subprocess.Popen(
             cmd,
@@ -331,7 +392,7 @@ class Running:
         self.proc.wait()
         raise AssertionError(f"launch {self.name}: never saw {what}; logs:\n{self.tails()}")
 
-    def finish(self, linger: float = 15.0) -> Result:
+    def finish(self, linger: float = LINGER_S) -> Result:
         """Wait for the launcher (bounded by the deadline), then for every marked
         process to be gone (bounded by ``linger``)."""
         try:
@@ -557,3 +618,53 @@ def assert_the_leader_touched_neps(exits: dict[int, dict[str, Any]]) -> None:
     assert leader["calls"]["NePSState.create_or_load"] >= 1, leader
     assert leader["root_access"]["count"] > 0, leader
     assert leader["root_access"]["fd_count"] > 0, leader
+
+
+def evaluated(result: Result, trial_id: str) -> list[dict[str, Any]]:
+    """Every rank's "trial" record of ``trial_id`` in this launch."""
+    return [e for e in result.of("trial") if e["trial_id"] == trial_id]
+
+
+def first_fault(launch: Result) -> float:
+    """The time of the launch's first fault record (a test whose fault never fired
+    tested nothing: it fails here)."""
+    faults = launch.of("fault")
+    assert faults, f"no fault fired: the test did not test; logs:\n{launch.tail()}"
+    return min(e["t"] for e in faults)
+
+
+def reports(root: Path) -> dict[int, tuple[str, str, str]]:
+    """trial number -> (state, reported_as, error text) as NePS recorded it."""
+
+    def state(trial: Any) -> str:
+        s = trial.metadata.state
+        return str(getattr(s, "value", s))
+
+    return {
+        int(tid): (
+            state(t),
+            t.report.reported_as if t.report else "",
+            str(t.report.err) if t.report and t.report.err else "",
+        )
+        for tid, t in neps_trials(root).items()
+    }
+
+
+@dataclass
+class Rerun:
+    """A launch that was interrupted, NePS's states after it, and the same command again."""
+
+    first: Result
+    after_first: dict[str, str]
+    again: Result
+
+
+class RerunChecks(CleanLaunch):
+    """The rerun (``launch``) is a clean launch; the first launch left nothing alive."""
+
+    @pytest.fixture(scope="class")
+    def launch(self, rerun: Rerun) -> Result:
+        return rerun.again
+
+    def test_the_first_launch_left_no_process(self, rerun: Rerun) -> None:
+        assert_nothing_left(rerun.first)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness import MARKER, PYTHON, SCRIPTS, base_env, marked_pids, neps_trials
+import launches
+from harness import MARKER, PYTHON, SCRIPTS, base_env, kind_of, marked_pids, neps_trials
 from neps_bcast.compat import procfs
 from neps_bcast.transport import sockets
 
@@ -314,6 +315,7 @@ def popen(cmd: list[str], timeout: float = 300.0) -> Callable[[Attack], Callable
 
     def start(attack: Attack) -> Callable[[], int]:
         out = (attack.log_dir / "launcher.out").open("wb")
+        launches.count(kind_of(cmd))
         proc = subprocess.Popen(
             cmd,
             cwd=attack.folder,

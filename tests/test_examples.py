@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import MARKER, PYTHON, TORCHRUN, base_env, marked_pids, neps_trials
+import launches
+from harness import LINGER_S, MARKER, PYTHON, TORCHRUN, base_env, marked_pids, neps_trials
 from neps_bcast.compat import procfs
 
 REPO = Path(__file__).parent.parent
@@ -27,6 +28,7 @@ def run_example(cmd: list[str], tmp_path: Path, timeout: float = 240) -> str:
     marker = uuid.uuid4().hex
     env = base_env()
     env[MARKER] = marker
+    launches.count("example")
     try:
         done = subprocess.run(
             cmd,
@@ -39,7 +41,7 @@ def run_example(cmd: list[str], tmp_path: Path, timeout: float = 240) -> str:
             start_new_session=True,
         )
     finally:
-        until = time.monotonic() + 15
+        until = time.monotonic() + LINGER_S  # returns once they are gone
         while marked_pids(marker) and time.monotonic() < until:
             time.sleep(0.05)  # bounded wait for the launch's processes to exit
         left = marked_pids(marker)

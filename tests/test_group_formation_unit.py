@@ -3,7 +3,7 @@ each trial's group apart on a store that outlives it, the groups kept alive unti
 trial ended, and what a retried trial is told (``attempt``, ``resumed_from``).
 
 In one process: a one-rank "external" runtime over a one-rank channel, with real gloo
-groups on a ``HashStore`` (the multi-process behaviour is in test_e2e_tutorial.py).
+groups on a ``HashStore`` (the multi-process behaviour is in tests/e2e/test_e2e_tutorial.py).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import launches
 from harness import PYTHON, SCRIPTS, base_env
 
 SCRIPT = SCRIPTS / "handshake_ranks.py"
@@ -28,6 +29,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, di
     private_tmp = tmp / "tmp"
     private_tmp.mkdir()
     env = base_env(TMPDIR=str(private_tmp))
+    launches.count("python")  # two ranks of one handshake
     ranks = [
         subprocess.Popen(
             [PYTHON, str(SCRIPT), str(rank), str(tmp / "store")],

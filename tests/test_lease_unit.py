@@ -3,7 +3,7 @@ real NePS roots and real processes, one process per worker.
 
 ``tests/scripts/recovery_single.py`` is one NePS worker through ``neps_bcast.run`` with
 no DDP (a trivial function, so each launch costs only its imports); a fault fires in
-the trial the environment names. The DDP launches are in ``test_e2e_recovery.py``.
+the trial the environment names. The DDP launches are in ``tests/e2e/test_e2e_recovery.py``.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ def test_optimizer_lock_is_the_one_neps_takes_on_its_optimizer_state(tmp_path: P
     """``neps_compat._optimizer_lock``: the file, poll interval and timeout of NePS's own
     optimizer lock (the lock NePS holds while it rewrites ``optimizer_state.pkl`` in
     place), and the state file it guards. If NePS moves either, our loads of its state
-    would again race its writes (tests/test_e2e_shared_root.py)."""
+    would again race its writes (tests/e2e/test_e2e_shared_root.py)."""
     from neps.env import STATE_FILELOCK_POLL, STATE_FILELOCK_TIMEOUT
 
     root = small_search(tmp_path, trials=1)

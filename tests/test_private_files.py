@@ -3,7 +3,7 @@ private directory the secret and a Lightning child's first trial travel through.
 
 "Another user" is played by making the file's owner differ from the process's user:
 ``os.geteuid`` is patched to a uid that owns nothing here, so the checks see every file
-of this test as foreign (the end-to-end attacker in test_e2e_attacker.py is a real
+of this test as foreign (the end-to-end attacker in tests/e2e/test_e2e_attacker.py is a real
 other user).
 """
 

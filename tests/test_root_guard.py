@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import launches
 from harness import PYTHON, assert_clean_launch, base_env, run
 from scenario import Scenario
 
@@ -23,6 +24,7 @@ neps.run(evaluate, Basic(), root_directory=sys.argv[1], total_evaluations_to_spe
 
 
 def plain_neps(root: Path, tmp_path: Path, seed: str) -> subprocess.CompletedProcess[str]:
+    launches.count("python")
     return subprocess.run(
         [PYTHON, "-c", PLAIN_NEPS, str(root)],
         cwd=tmp_path,

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import MARKER, base_env, default_sigint, marked_pids, neps_trials
+import launches
+from harness import LINGER_S, MARKER, base_env, default_sigint, kind_of, marked_pids, neps_trials
 from neps_bcast.compat import procfs
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -45,6 +46,7 @@ class UserLaunch:
         full = base_env(**env)
         full[MARKER] = self.marker
         self._log = self.log_path.open("wb")
+        launches.count(kind_of(cmd))
         self.proc = subprocess.Popen(
             cmd,
             cwd=folder,
@@ -82,7 +84,7 @@ class UserLaunch:
         self.proc.wait()
         raise AssertionError(f"never saw {what}\n{self.log()}")
 
-    def finish(self, linger: float = 20.0) -> int:
+    def finish(self, linger: float = LINGER_S) -> int:
         """Wait for the launcher (bounded), then for every marked process to be gone."""
         try:
             code = self.proc.wait(timeout=max(self.deadline - time.monotonic(), 0.1))

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+import launches
 from harness import MARKER, PYTHON, SCRIPTS, base_env, marked_pids, read_records, states
 from neps_bcast.compat import procfs
 
@@ -61,6 +62,7 @@ class Launch:
         )
         full[MARKER] = uuid.uuid4().hex
         started = time.monotonic()
+        launches.count("gpu")
         with (folder / "launcher.log").open("wb") as log:
             proc = subprocess.Popen(
                 cmd, cwd=tmp, env=full, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,6 +1,6 @@
 """An outsider on this host who reaches neps_bcast's stores and writes to them.
 
-Started by tests/test_e2e_security.py while a search runs. It learns the leader store's
+Started by tests/e2e/test_e2e_security.py while a search runs. It learns the leader store's
 address as an outsider could (from a rank's environment, or from the launcher's store),
 then, round after round until told to stop (bounded), overwrites every key neps_bcast
 uses with a pickle that creates ``--marker`` when unpickled, and bumps the error

@@ -1,7 +1,7 @@
 """Another user of this host, attacking a neps_bcast search from before its first rank
 starts until after its last one exits.
 
-Started by tests/test_e2e_attacker.py (and tests/slurm/test_e2e_slurm_attacker.py) as
+Started by tests/e2e/test_e2e_attacker.py (and tests/slurm/test_e2e_slurm_attacker.py) as
 root with ``--as UID:GID`` (``nobody``): it loads Python and torch as root, so that the
 checkout may sit in a folder only root can enter (``mktemp -d`` makes one), then drops to
 that uid and gid with no supplementary groups and no capabilities before it reads, plants

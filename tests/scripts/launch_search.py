@@ -1,4 +1,4 @@
-"""The script `neps-bcast launch` runs in tests/test_e2e_launch.py: a Lightning ddp search.
+"""The script `neps-bcast launch` runs in tests/e2e/test_e2e_launch.py: a Lightning ddp search.
 
 Every rank of every group runs it under the launcher's torchrun. It appends JSON lines
 to ``$LAUNCH_RECORD_DIR/<pid>.jsonl``: "start", "trial" (inside ``session()``: trial id,

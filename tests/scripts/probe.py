@@ -55,10 +55,12 @@ follower's also in ``count`` and ``paths``)."""
 
 
 def my_rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
+    # Only where torch is imported already: a group cannot be initialized otherwise, and
+    # importing torch in an atexit handler (the "exit_path" record) fails ("can't
+    # register atexit after shutdown").
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
     for name in ("RANK", "SLURM_PROCID", "LOCAL_RANK"):
         if name in os.environ:
             return int(os.environ[name])
@@ -410,7 +412,7 @@ def _watch_fds(roots: tuple[str, ...]) -> Callable[[], None]:
     brings it back to 50 ms. So a file held open over 200 ms is seen, a shorter one
     may be missed: this is sampling. Why not 50 ms always: it runs in every process, and
     a follower waiting for its leader must stay under 1% of a core
-    (tests/test_e2e_lightning.py, read in 10 ms clock ticks over 4 s). A look costs
+    (tests/e2e/test_e2e_lightning.py, read in 10 ms clock ticks over 4 s). A look costs
     200-300 us of CPU on 2 busy cores (listing and ``fstat`` of 17 fds, cold caches);
     measured at load 5-12, such a follower used 0.25-1.0% of a core without the watch
     (5 runs), 1.25% with looks every 50 ms (3 runs), 0.5-0.75% as here (3 runs); a
@@ -534,6 +536,20 @@ def _left_to_finalization() -> None:
 
 
 atexit.register(_left_to_finalization)
+
+
+def _exit_path() -> None:
+    """Which way this interpreter leaves (registered at import, so it runs after every
+    handler neps_bcast registers): ``gc_frozen`` counts the objects frozen out of the
+    final collection, non-zero once a follower's ``_freeze_at_exit``
+    (neps_bcast.follower) ran. A test checks that the fast exit path ran instead of
+    timing the exit, which a loaded machine stretches (2.5 to 7 s at load 10)."""
+    import gc
+
+    record("exit_path", gc_frozen=gc.get_freeze_count())
+
+
+atexit.register(_exit_path)
 
 
 def _exit_code(exc: BaseException | None) -> int:

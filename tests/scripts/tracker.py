@@ -1,7 +1,7 @@
 """A user's experiment-tracker client: each rank keeps one TCP connection of its own (an
 experiment tracker's keep-alive connection, a database) and sends a line per trial.
 
-``--tracker PORT`` names the server (on 127.0.0.1; tests/test_e2e_release.py runs one);
+``--tracker PORT`` names the server (on 127.0.0.1; tests/e2e/test_e2e_release.py runs one);
 ``--tracker-from WHEN`` says when each rank connects: ``before_run`` (before
 ``neps_bcast.run``), ``trial_1`` (first thing in trial 1's session block) or ``trial_2``
 (in trial 2's). Every use is recorded ("tracker": rank, trial, whether the round trip

@@ -1,7 +1,7 @@
 """Another user of the node attacks a search that a real srun starts (the one-node SLURM
 of ``make test-slurm``), from before its first rank starts to after its last one exits.
 
-The same attack as tests/test_e2e_attacker.py (see tests/outsider.py): the outsider,
+The same attack as tests/e2e/test_e2e_attacker.py (see tests/outsider.py): the outsider,
 as ``nobody``, plants a secret file and its path, forges the ``leader`` record, writes
 pickles that would create a file under every key neps_bcast uses in the rendezvous
 store rank 0 serves on ``MASTER_PORT`` and in the leader's store, and replays what it

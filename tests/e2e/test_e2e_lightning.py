@@ -14,91 +14,27 @@ import pytest
 
 from harness import (
     LIGHTNING,
-    SINGLE,
     CleanLaunch,
     Result,
-    assert_followers_never_touch_neps,
-    assert_the_leader_touched_neps,
     identical_on_every_rank,
     neps_trials,
     python,
     run,
     start,
-    trials_by_rank,
 )
 from neps_bcast.compat import procfs
+from test_e2e_guarantees import TestEveryRankEvaluatesTheLeadersTrials as EveryRankChecks
 
 BASIC_KEYS = ("lr", "hidden", "activation")
 
 
-class TestEveryRankEvaluatesTheLeadersTrials(CleanLaunch):
-    """2 and 3 ranks, 5 trials; the function names NePS's pipeline arguments."""
+class TestEveryRankEvaluatesTheLeadersTrialsOn3Ranks(EveryRankChecks):
+    """The top tier's launch of this scenario (tests/test_e2e_guarantees.py) on 3 ranks:
+    a second follower."""
 
-    @pytest.fixture(scope="class", params=[2, 3], ids=["2_ranks", "3_ranks"])
+    @pytest.fixture(scope="class", params=[3], ids=["3_ranks"])
     def devices(self, request: pytest.FixtureRequest) -> int:
         return int(request.param)
-
-    @pytest.fixture(scope="class")
-    def launch(self, devices: int, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        command = python(LIGHTNING, "--devices", devices, "--trials", 5, "--with-dirs")
-        return run(command, tmp_path_factory.mktemp("ranks"))
-
-    def test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments(
-        self, launch: Result, devices: int
-    ) -> None:
-        identical_on_every_rank(launch, devices)
-
-    def test_the_leader_evaluated_the_whole_budget(self, launch: Result) -> None:
-        assert len(trials_by_rank(launch.events)[0]) == 5, launch.tail()
-
-    def test_neps_recorded_every_trial_as_a_success(self, launch: Result) -> None:
-        leader = trials_by_rank(launch.events)[0]
-        recorded = neps_trials(launch.root)
-        assert sorted(recorded) == sorted(tid for tid, _ in leader)
-        assert all(
-            t.report is not None and t.report.reported_as == "success" for t in recorded.values()
-        )
-
-    def test_the_ranks_got_the_configuration_neps_recorded(self, launch: Result) -> None:
-        recorded = neps_trials(launch.root)
-        for tid, kwargs in trials_by_rank(launch.events)[0]:
-            assert {k: recorded[tid].config[k] for k in BASIC_KEYS} == {
-                k: kwargs[k] for k in BASIC_KEYS
-            }
-
-    def test_neps_injected_the_pipeline_arguments_the_signature_names(self, launch: Result) -> None:
-        """The leader got them from NePS; the followers the same (the identical test)."""
-        recorded = neps_trials(launch.root)
-        for tid, kwargs in trials_by_rank(launch.events)[0]:
-            assert kwargs["pipeline_id"] == tid
-            assert Path(kwargs["pipeline_directory"]) == Path(recorded[tid].metadata.location)
-
-    def test_world_size_is_none_before_the_first_fit_then_the_groups_size(
-        self, launch: Result, devices: int
-    ) -> None:
-        first_id = trials_by_rank(launch.events)[0][0][0]
-        for e in launch.of("trial"):
-            assert e["world_size"] == (None if e["trial_id"] == first_id else devices), e
-
-    def test_every_rank_recorded_exit_code_0(self, launch: Result, devices: int) -> None:
-        exits = launch.exits
-        assert sorted(exits) == list(range(devices))
-        assert all(e["ok"] and e["code"] == 0 for e in exits.values()), exits
-
-    def test_the_leader_is_the_launched_process_itself(self, launch: Result) -> None:
-        leader_start = next(e for e in launch.of("start") if e["proc_rank"] == 0)
-        assert launch.exits[0]["pid"] == leader_start["pid"]
-
-    def test_followers_never_touched_neps_or_its_root(self, launch: Result) -> None:
-        assert_followers_never_touch_neps(launch.exits)
-
-    def test_the_leader_touched_neps_and_its_root(self, launch: Result) -> None:
-        """The positive control: the counters that stay 0 on followers count here."""
-        assert_the_leader_touched_neps(launch.exits)
-
-    def test_every_rank_logs_with_its_rank_and_role(self, launch: Result, devices: int) -> None:
-        assert f"[neps_bcast rank 1/{devices} follower]" in launch.log
-        assert "[neps_bcast rank 0/" in launch.log
 
 
 class TestMultiFidelityContinuesFromThePreviousCheckpoint(CleanLaunch):
@@ -156,34 +92,6 @@ class TestMultiFidelityContinuesFromThePreviousCheckpoint(CleanLaunch):
         paths = launch.exits[1]["root_access"]["paths"]
         assert paths, "the user's checkpoint load was not seen"
         assert all(p.endswith("/last.ckpt") for p in paths), paths
-
-
-class TestSingleProcessBehavesLikeNepsRun(CleanLaunch):
-    @pytest.fixture(scope="class")
-    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        return run(python(SINGLE, "--trials", 4), tmp_path_factory.mktemp("single"))
-
-    def test_every_trial_ran_on_a_leader_without_a_group(self, launch: Result) -> None:
-        trials = launch.of("trial")
-        assert len(trials) == 4
-        assert {(e["rank"], e["world_size"], e["is_leader"]) for e in trials} == {(0, None, True)}
-
-    def test_neps_recorded_each_trial(self, launch: Result) -> None:
-        recorded = neps_trials(launch.root)
-        assert sorted(recorded) == sorted(e["trial_id"] for e in launch.of("trial"))
-
-    def test_neps_recorded_what_the_function_returned(self, launch: Result) -> None:
-        recorded = neps_trials(launch.root)
-        for e in launch.of("trial"):
-            assert recorded[e["trial_id"]].report.objective_to_minimize == pytest.approx(
-                e["kwargs"]["lr"]
-            )
-
-    def test_no_follower_ever_logged(self, launch: Result) -> None:
-        assert "neps_bcast rank 1" not in launch.log
-
-    def test_neps_run_was_called_once(self, launch: Result) -> None:
-        assert launch.exits[0]["calls"]["neps.run"] == 1
 
 
 class TestDdpSpawnKeepsWorking(CleanLaunch):

@@ -5,7 +5,7 @@ truncated, then pickled) under NePS's optimizer lock each time it samples a tria
 ``NePSState.create_or_load`` reads it without any lock. Our orphan check (and the crash
 record) load that state while the other groups' workers sample: unlocked, they read an
 empty pickle ("EOFError: Ran out of input"), which killed a starting leader in
-``test_e2e_launch.py``. Here a real ``neps.run`` is frozen in the middle of that write,
+``tests/e2e/test_e2e_launch.py``. Here a real ``neps.run`` is frozen in the middle of that write,
 deterministically (a profile hook stops it when NePS's ``_sample_trial`` calls
 ``pickle.dump`` on the file it has just truncated), and the checks run against it.
 """
@@ -21,6 +21,7 @@ from typing import IO
 
 import pytest
 
+import launches
 from harness import PYTHON, base_env
 
 NEPS_WORKER = textwrap.dedent(
@@ -148,6 +149,7 @@ class TestOurReadsNeverSeeNepsStateMidWrite:
         worker_script = tmp_path / "neps_worker.py"
         worker_script.write_text(NEPS_WORKER)
         log = tmp_path / "neps_worker.log"
+        launches.count("python")
         with log.open("w") as err:
             worker = subprocess.Popen(
                 [PYTHON, str(worker_script), str(root)],

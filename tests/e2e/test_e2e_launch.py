@@ -27,11 +27,24 @@ from typing import Any
 
 import pytest
 
-from harness import FAKE_SRUN, MARKER, PYTHON, base_env, default_sigint, marked_pids, neps_trials
+import launches
+from harness import (
+    FAKE_SRUN,
+    HANG_S,
+    LINGER_S,
+    MARKER,
+    PYTHON,
+    SCRIPTS,
+    TIMED_OUT,
+    base_env,
+    default_sigint,
+    marked_pids,
+    neps_trials,
+)
 from neps_bcast.compat import procfs
 from neps_bcast.transport import sockets
 
-SCRIPT = Path(__file__).parent / "scripts" / "launch_search.py"
+SCRIPT = SCRIPTS / "launch_search.py"
 NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
 DEADLINE_S = 150.0
 
@@ -143,6 +156,7 @@ def launch(
         *args,
         str(SCRIPT),
     ]
+    launches.count("neps-bcast launch")
     with (tmp_path / "launcher.out").open("wb") as out:
         proc = subprocess.Popen(
             cmd,
@@ -506,7 +520,7 @@ class TestCtrlCStopsEveryGroupAndLeavesNoTrialEvaluating:
         run.proc.send_signal(signal.SIGINT)
         rc = run.finish()
         exited = time.monotonic() - sent
-        left = run.left_after(30)
+        left = run.left_after(LINGER_S)
         gone = time.monotonic() - sent
         print(
             f"Ctrl-C -> launcher exited ({rc}) after {exited:.1f} s;"
@@ -514,9 +528,15 @@ class TestCtrlCStopsEveryGroupAndLeavesNoTrialEvaluating:
         )
         return self.Interrupted(run, rc, left, gone)
 
-    def test_every_process_was_gone_within_30_s(self, done: Interrupted) -> None:
+    def test_every_process_ended_on_its_own_and_no_wait_timed_out(self, done: Interrupted) -> None:
+        """Why the launch ended, not how fast (a loaded machine stretches it): nothing
+        was left for the test to kill and no log says a wait ran out of time; HANG_S
+        after the signal only detects a hang."""
         assert not done.left, f"processes {done.left} still alive; logs:\n{done.run.tails()}"
-        assert done.gone_s < 30
+        text = done.run.tails(10_000)
+        timed_out = [line for line in text.splitlines() if TIMED_OUT.search(line)]
+        assert not timed_out, timed_out
+        assert done.gone_s < HANG_S, (done.gone_s, done.run.tails())
 
     def test_the_launcher_exits_with_130(self, done: Finished) -> None:
         assert done.returncode == 128 + signal.SIGINT, done.run.tails()
