@@ -48,7 +48,6 @@ from table import (
 )
 
 from harness import (
-    HANG_S,
     LIGHTNING,
     TORCH_DDP,
     Result,
@@ -62,10 +61,6 @@ from harness import (
     torchrun,
     trials_by_rank,
 )
-
-BOUND_S = HANG_S
-"""A hang detector only (tests/sweep/test_pool_sweep.py reads it): this sweep checks why
-a launch ended (``Result.ended_on_their_own``), not how many seconds it took."""
 
 BUDGET = 3 * len(FAULTS) + 4
 """A chain's ``--trials``: each faulted launch spends at most three evaluations, and
