@@ -7,6 +7,7 @@ tests/e2e/test_e2e_status.py.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -304,3 +305,56 @@ def test_status_imports_neither_torch_nor_neps(real_root: Path) -> None:
 
 def test_the_import_check_sees_torch_when_it_is_imported(real_root: Path) -> None:
     assert imported_by_status(real_root, "import neps") == "IMPORTED ['neps', 'torch']"
+
+
+HOLD_LOCKS = """
+import fcntl, os, sys
+fds = []
+for path in sys.argv[1:]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    fcntl.lockf(fd, fcntl.LOCK_EX)
+    fds.append(fd)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_status_answers_while_another_process_holds_every_lock_of_the_root(
+    real_root: Path, tmp_path: Path
+) -> None:
+    """NePS's trial, optimizer and summary locks and every lease's lock, held
+    exclusively by another process (as a NePS worker holds them while it samples or
+    records): the status still answers, because it takes none of them."""
+    root = make_root(real_root, tmp_path, 3)
+    set_evaluating(root, "1", time.time())
+    write_lease(trial_dir(root, "1"), Lease("1", Owner.me(), time.time(), time.time()))
+    locks = [root / ".configs.lock", root / ".optimizer.lock"]
+    locks += [trial_dir(root, str(i)) / ".neps_bcast_lease.lock" for i in (1, 2, 3)]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCKS, *map(str, locks)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        # Positive control: the locks are really held (a lock attempt here fails).
+        fd = os.open(locks[0], os.O_RDWR)
+        try:
+            with pytest.raises(
+                OSError, match=r"Resource temporarily unavailable|Permission denied"
+            ):
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        done = subprocess.run(
+            [sys.executable, "-m", "neps_bcast", "status", str(root), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["counts"] == {"evaluating": 1, "success": 2}
+    finally:
+        holder.communicate(input="", timeout=30)
