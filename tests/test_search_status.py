@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -358,3 +359,20 @@ def test_status_answers_while_another_process_holds_every_lock_of_the_root(
         assert json.loads(done.stdout)["counts"] == {"evaluating": 1, "success": 2}
     finally:
         holder.communicate(input="", timeout=30)
+
+
+def test_watch_shows_it_again_until_ctrl_c(real_root: Path) -> None:
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "neps_bcast", "status", str(real_root), "--watch", "0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert watcher.stdout is not None
+    shown = 0
+    for line in watcher.stdout:  # bounded: each refresh prints; the second one ends the loop
+        shown += line.startswith(str(real_root))
+        if shown == 2:
+            break
+    watcher.send_signal(signal.SIGINT)
+    assert (watcher.wait(timeout=30), shown) == (0, 2), watcher.stderr.read()  # type: ignore[union-attr]
