@@ -376,3 +376,11 @@ def test_watch_shows_it_again_until_ctrl_c(real_root: Path) -> None:
             break
     watcher.send_signal(signal.SIGINT)
     assert (watcher.wait(timeout=30), shown) == (0, 2), watcher.stderr.read()  # type: ignore[union-attr]
+
+
+def test_a_lease_written_before_ranks_were_recorded_still_reads() -> None:
+    """A shared root may hold leases of an older neps_bcast (no ``ranks``)."""
+    old = json.loads(Lease("7", Owner.me(), 1.0, 2.0).to_json())
+    del old["ranks"]
+    assert Lease.from_json(json.dumps(old)).ranks is None
+    assert Lease.from_json(Lease("7", None, 1.0, 2.0, ranks=4).to_json()).ranks == 4
