@@ -384,3 +384,18 @@ def test_a_lease_written_before_ranks_were_recorded_still_reads() -> None:
     del old["ranks"]
     assert Lease.from_json(json.dumps(old)).ranks is None
     assert Lease.from_json(Lease("7", None, 1.0, 2.0, ranks=4).to_json()).ranks == 4
+
+
+def test_a_root_that_cannot_be_read_names_the_error_and_the_fix(
+    real_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(real_root / "optimizer_info.yaml", root / "optimizer_info.yaml")
+    (root / "configs").write_text("not a directory")
+    assert expect_error([str(root)], capsys) == (
+        f"[neps_bcast status] could not read the search on {root}: NotADirectoryError:"
+        f" [Errno 20] Not a directory: '{root / 'configs'}'. HINT: run it as a user who can"
+        " read the root and every trial's directory in it; a root that another process is"
+        " deleting cannot be shown."
+    )

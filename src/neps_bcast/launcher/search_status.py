@@ -159,6 +159,20 @@ def read_status(
     root: Path, settings: Settings | None = None, now: float | None = None
 ) -> SearchStatus:
     """The search on ``root`` now (``check_root`` first)."""
+    try:
+        return _read_status(root, settings, now)
+    except OSError as exc:
+        raise LaunchError(
+            format_message(
+                TAG,
+                f"could not read the search on {root}: {type(exc).__name__}: {exc}.",
+                "run it as a user who can read the root and every trial's directory in it;"
+                " a root that another process is deleting cannot be shown.",
+            )
+        ) from exc
+
+
+def _read_status(root: Path, settings: Settings | None, now: float | None) -> SearchStatus:
     settings = settings or Settings.from_env()
     now = time.time() if now is None else now
     me = Owner.me()
