@@ -178,9 +178,10 @@ def test_a_pool_shows_each_device_and_the_trial_on_it(real_root: Path, tmp_path:
     assert on == {0: "1", 1: "1", 2: None, 3: "2"}
     assert status.trials[0].devices == (0, 1)
     assert status.trials[0].ranks == 2
+    assert status.trials[0].rank_pids == (1, 2)
     text = search_status.render(status)
     assert f"pool {socket.gethostname()} device 2: free" in text
-    assert "devices 0,1" in text
+    assert "devices 0,1 (rank pids 1,2)" in text
 
 
 def test_a_placement_from_an_earlier_attempt_is_not_shown(real_root: Path, tmp_path: Path) -> None:

@@ -245,6 +245,19 @@ class TestPool:
     def test_the_running_trial_shows_its_devices_and_ranks(self, launch: dict[str, Any]) -> None:
         during = launch["during"]
         assert (during["devices"], during["ranks"], during["attempt"]) == ([0, 1], 2, 1)
+
+    def test_the_running_trial_shows_the_pids_of_the_ranks_that_ran_it(
+        self, launch: dict[str, Any]
+    ) -> None:
+        during = launch["during"]
+        result: Result = launch["result"]
+        ran = sorted(
+            (e["rank"], e["pid"])
+            for e in result.events
+            if e["event"] == "trial" and e["trial_id"] == during["trial_id"]
+        )
+        assert during["rank_pids"] == [pid for _, pid in ran]
+        assert during["pid"] not in during["rank_pids"]  # the lease's: the trial's agent
         assert during["stale"] is None and during["heartbeat_age_s"] < 30.0
 
     def test_each_device_shows_the_trial_on_it(self, launch: dict[str, Any]) -> None:

@@ -51,6 +51,8 @@ class TrialStatus:
     ranks: int | None = None
     devices: tuple[int, ...] | None = None
     """A pool: the devices it runs on."""
+    rank_pids: tuple[int, ...] | None = None
+    """A pool: the processes of its ranks, in group-rank order (``pid`` is its agent's)."""
     heartbeat_age_s: float | None = None
     stale: str | None = None
     """Why its lease is stale (its leader is gone), None while it may be alive."""
@@ -263,6 +265,7 @@ def _trial_status(
             else (lease.ranks if lease is not None and running else None)
         ),
         devices=placement.devices if placement is not None else None,
+        rank_pids=placement.rank_pids if placement is not None else None,
         heartbeat_age_s=now - lease.heartbeat if owner is not None and lease is not None else None,
         stale=stale,
         elapsed_s=elapsed,
@@ -317,6 +320,8 @@ def _where(t: TrialStatus) -> str:
         return "-"
     ranks = f", {t.ranks} rank{'s' if t.ranks != 1 else ''}" if t.ranks is not None else ""
     devices = f", devices {','.join(map(str, t.devices))}" if t.devices is not None else ""
+    if t.rank_pids:
+        devices += f" (rank pids {','.join(map(str, t.rank_pids))})"
     return f"{t.host} pid {t.pid}{ranks}{devices}"
 
 
