@@ -26,9 +26,14 @@ class Space(neps.PipelineSpace):
     epochs = neps.IntegerFidelity(1, 3)
 
 
+CALLS = [0]
+
+
 def evaluate(lr: float, epochs: int) -> dict[str, Any]:
-    if lr > 0.03:
-        raise ValueError(f"lr {lr} is too large")
+    """The 2nd evaluation raises (so the root holds a crash whatever NePS samples)."""
+    CALLS[0] += 1
+    if CALLS[0] == 2:
+        raise ValueError(f"evaluation {CALLS[0]} fails")
     return {"objective_to_minimize": lr * epochs, "cost": float(epochs)}
 
 
