@@ -12,7 +12,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-faults lint bench bench-full clean install-newest test-newest test-slurm docs
+.PHONY: install demo test test-faults lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
 
 install: $(STAMP)
 
@@ -46,6 +46,16 @@ test-slurm: install
 		OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider tests/slurm; status=$$?; \
 	else status=1; fi; \
 	bash tests/slurm/cluster.sh stop; exit $$status
+
+# The GPU tier (tests/gpu; not in CI: CI has no GPU). By default with the project's venv;
+# GPU_PYTHON=python3 runs it with that interpreter as it is (its own torch, Lightning and
+# NePS, e.g. NePS from PYTHONPATH), without building the venv. Fails at once without CUDA.
+# Figures go to NEPS_BCAST_GPU_REPORT (one JSON file per test).
+GPU_PYTHON ?= $(PY)
+NEPS_BCAST_GPU_REPORT ?= $(CURDIR)/results/gpu
+test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),install)
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} NEPS_BCAST_GPU_REPORT=$(NEPS_BCAST_GPU_REPORT) \
+		OMP_NUM_THREADS=1 $(GPU_PYTHON) -m pytest -n 0 -p no:cacheprovider tests/gpu
 
 lint: install
 	$(PY) -m ruff check src tests examples benchmarks

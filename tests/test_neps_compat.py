@@ -309,3 +309,27 @@ def test_a_base_exception_out_of_an_evaluation_leaves_the_trial_set_until_forgot
     neps_compat.forget_current_trial()
     neps.run(returns, Space(), total_evaluations_to_spend=3, **options)
     assert "success" in {t.metadata.state.value for t in recorded(tmp_path / "root").values()}
+
+
+def test_sampling_and_recording_hooks_see_each_sample_and_each_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fault points ``sample`` and ``record`` lie inside NePS (``_sample_trial``,
+    ``_report_trial_evaluation``): each trial is sampled once and recorded once, by id."""
+    monkeypatch.setattr(NePSState, "_sample_trial", NePSState._sample_trial)
+    monkeypatch.setattr(NePSState, "_report_trial_evaluation", NePSState._report_trial_evaluation)
+    seen: list[str] = []
+    neps_compat.call_before_sampling_and_recording(
+        lambda: seen.append("sample"), lambda trial_id: seen.append(f"record {trial_id}")
+    )
+    neps_compat.call_before_sampling_and_recording(  # installing twice keeps one wrapper
+        lambda: seen.append("sample"), lambda trial_id: seen.append(f"record {trial_id}")
+    )
+    neps.run(
+        lambda lr, hidden: lr,
+        Space(),
+        root_directory=tmp_path / "root",
+        total_evaluations_to_spend=2,
+        optimizer="random_search",
+    )
+    assert seen == ["sample", "record 1", "sample", "record 2"]

@@ -4,6 +4,7 @@ the variables a warm rank gets for a trial."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import threading
@@ -33,7 +34,9 @@ def server(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
         listening.close()
 
 
-def accept_in_thread(listening: socket.socket, key: str) -> dict[str, Any]:
+def accept_in_thread(
+    listening: socket.socket, key: str, admit: Any = lambda hello: None
+) -> dict[str, Any]:
     """The launcher's side in a thread: its hello, or the error it raised."""
     seen: dict[str, Any] = {}
 
@@ -41,7 +44,7 @@ def accept_in_thread(listening: socket.socket, key: str) -> dict[str, Any]:
         sock, _ = listening.accept()
         conn = wire.Conn(sock)
         try:
-            seen["hello"] = wire.accept(conn, key)
+            seen["hello"] = wire.accept(conn, key, admit)
             seen["next"] = conn.receive(10)
         except (wire.WireError, TimeoutError) as exc:
             seen["error"] = exc
@@ -64,6 +67,28 @@ def test_a_member_with_the_key_is_welcomed_and_heard(server: tuple[str, socket.s
     conn.close()
     assert seen["hello"]["role"] == "rank" and seen["hello"]["index"] == 3
     assert seen["next"] == {"op": "free", "order": "x", "clean": True}
+
+
+def test_the_hellos_pid_is_the_kernels_and_a_process_not_admitted_hears_why(
+    server: tuple[str, socket.socket],
+) -> None:
+    """The launcher takes the pid from ``SO_PEERCRED``, not from what the process wrote,
+    and a proven process it will not take (not the one it started, or connected already)
+    learns the reason at ``connect`` instead of a welcome and then a closed socket."""
+    path, listening = server
+    key = wire.new_key()
+    heard: list[dict[str, Any]] = []
+
+    def admit(hello: dict[str, Any]) -> str | None:
+        heard.append(hello)
+        return "rank 3 is pid 1 here, not pid 2"
+
+    seen = accept_in_thread(listening, key, admit)
+    with pytest.raises(wire.WireError, match=r"refused this process: rank 3 is pid 1 here"):
+        wire.connect(path, key, "rank", 3)
+    seen["thread"].join(10)
+    assert heard[0]["pid"] == os.getpid()
+    assert "refused: rank 3 is pid 1 here" in str(seen["error"])
 
 
 def test_a_process_without_the_key_is_refused_before_anything_it_sends_is_read(
@@ -248,3 +273,17 @@ def test_a_trial_gets_torchruns_variables_for_its_rank_and_store() -> None:
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "4242")
     assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the agent's store: no rank binds
     assert env["TORCHELASTIC_RUN_ID"].endswith("abc")
+
+
+def test_a_trials_rendezvous_store_listens_on_loopback_only() -> None:
+    """Every rank of a pool runs on the launcher's host: the agent's per-trial store,
+    where the trial's rank 0 publishes its control store and torch forms the trial's
+    group, must not be reachable (and writable) from another host."""
+    from neps_bcast.pool_agent import trial_store
+    from neps_bcast.transport.sockets import own_listening
+
+    store = trial_store()
+    listening = {host for host, port in own_listening() if port == store.port}
+    assert listening == {"127.0.0.1"}, listening
+    store.set("neps_bcast/probe", "1")
+    assert store.get("neps_bcast/probe") == b"1"

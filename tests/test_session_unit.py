@@ -759,3 +759,27 @@ def test_a_follower_that_lost_its_leader_exits_with_every_file_flushed(
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert out.read_text() == "every byte " * 1000
+
+
+def test_a_file_frozen_by_a_trials_clean_start_is_still_flushed_at_a_followers_exit(
+    tmp_path: Path,
+) -> None:
+    """The first clean start freezes the heap (``teardown.free_what_trials_left``): a file
+    alive then, and left in a reference cycle later, is out of ``gc.get_objects``' reach
+    unless the exit unfreezes it first."""
+    out = tmp_path / "unclosed.txt"
+    code = LOST_LEADER_EXIT.replace(
+        "del holder\n",
+        "from neps_bcast.ddp import teardown\nassert teardown.free_what_trials_left().froze\n"
+        "del holder\n",
+    )
+    assert code != LOST_LEADER_EXIT
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == "every byte " * 1000

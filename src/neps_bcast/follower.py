@@ -17,12 +17,12 @@ import logging
 from collections.abc import Callable
 from typing import Any, cast
 
-from neps_bcast.ddp.teardown import free_trials_at_exit
+from neps_bcast.ddp.teardown import free_trials_at_exit, free_what_trials_left
 from neps_bcast.errors import SearchStopped
 from neps_bcast.recovery.signals import indivisible, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import StopMessage, TrialMessage
-from neps_bcast.trial import evaluate_once
+from neps_bcast.trial import evaluate_once, log_freed
 
 
 def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> None:
@@ -50,6 +50,11 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
                 message.trial_id,
                 "; ".join(f.headline() for f in outcome.failures),
             )
+        # While the leader records the trial in NePS and samples the next: the next
+        # trial's clean start, off its critical path. The outcome's error holds the
+        # trial's frames (its Trainer, model): dropped first.
+        del outcome
+        log_freed(rt, free_what_trials_left())
         message, held = _receive(rt)
     rt.link.stopping = True
     rt.log(logging.INFO, "stopping: %s", message.reason)
@@ -145,6 +150,7 @@ def _freeze_at_exit() -> None:
     test raises counted as no file: a class with an unhashable metaclass makes io's
     ABCs raise ``TypeError`` (it stopped the old loop, and so the freeze).
     """
+    gc.unfreeze()  # the heap frozen before the first trial (``free_what_trials_left``)
     objects = gc.get_objects()
     types = list(map(type, objects))
     type_ids = list(map(id, types))  # by id: a metaclass may be unhashable

@@ -10,17 +10,18 @@ trial's rank 0 sends back the outcome. A lost rank puts only this trial back to 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import operator
 import os
 import pickle
+import signal
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from neps_bcast import faults, leader
 from neps_bcast.compat import neps as neps_compat
-from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.config import Settings
 from neps_bcast.errors import (
@@ -30,10 +31,12 @@ from neps_bcast.errors import (
     format_message,
 )
 from neps_bcast.launcher import wire
+from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, new_secret
 from neps_bcast.transport.messages import TrialMessage, encode
+from neps_bcast.transport.store import serve as serve_store
 from neps_bcast.trial import Outcome
 
 RanksPerTrial = Callable[[dict[str, Any]], int]
@@ -88,6 +91,17 @@ def check_up_front(
         trial_size(ranks_per_trial, config, size, tag, when="before the search starts: ")
 
 
+TRIAL_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+"""A trial's rendezvous store: torch's default bound on a wait there."""
+
+
+def trial_store() -> Any:
+    """A trial's rendezvous store, served by its agent as torchrun's agent serves one:
+    on loopback only (a pool's ranks all run on this host; torch's TCPStore otherwise
+    listens on every interface, where another host could overwrite the trial's keys)."""
+    return serve_store(TRIAL_STORE_TIMEOUT, loopback=True, multi_tenant=True)
+
+
 class Remote:
     """``leader.RunTrial`` for a pool's agent: the trial runs on the ranks the launcher
     gives it; this waits (blocked on the launcher's socket) for their outcome."""
@@ -101,15 +115,23 @@ class Remote:
         """Each running trial's rendezvous store, served until its ranks are free."""
 
     def __call__(self, rt: Runtime, message: TrialMessage) -> Outcome:
+        try:
+            return self._run(rt, message)
+        except wire.WireError as exc:
+            # The launcher is gone (SIGKILLed, crashed): its parent-death SIGTERM may come
+            # after the end of its socket. Not the user's error: the trial goes back to
+            # pending, as for a SIGTERM, and this agent stops (no launcher, no ranks).
+            rt.log(logging.ERROR, "the pool's launcher is gone: %s", exc)
+            raise Terminated(128 + signal.SIGTERM, f"the pool's launcher lost ({exc})") from exc
+
+    def _run(self, rt: Runtime, message: TrialMessage) -> Outcome:
         config = {k: v for k, v in message.kwargs.items() if k not in INJECTED_ARGUMENTS}
         try:
             ranks = trial_size(self.ranks_per_trial, config, self.size, rt.tag)
         except NepsBcastError as exc:
             return Outcome(None, exc, [ErrorRecord.from_exception(0, exc, pid=os.getpid())])
         order = uuid.uuid4().hex
-        store = torch_compat.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True
-        )
+        store = trial_store()
         self.stores[order] = store
         self.conn.send(
             {
@@ -178,13 +200,14 @@ def run_agent(
     pool's ranks, until the search is over."""
     environ = os.environ
     index = int(environ[wire.ENV_POOL_INDEX])
-    conn = wire.connect(environ[wire.ENV_POOL], environ[wire.ENV_POOL_KEY], "agent", index)
+    key = wire.take_key(environ)
+    conn = wire.connect(environ[wire.ENV_POOL], key, "agent", index)
     launch = Launch(
         kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
     )
     rt = Runtime(launch, settings, Signer(new_secret()))
     check_up_front(ranks_per_trial, pipeline_space, pool_size(environ), rt.tag)
-    remote = Remote(conn, environ[wire.ENV_POOL_KEY], pool_size(environ), ranks_per_trial)
+    remote = Remote(conn, key, pool_size(environ), ranks_per_trial)
     with rt.activated():
         try:
             leader.lead(rt, fn, pipeline_space, kwargs, run_trial=remote)

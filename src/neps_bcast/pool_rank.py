@@ -12,16 +12,20 @@ and no handshake, the trial's secret derived from the pool's key and the order
 takes the trial from its agent's order (sealed with the pool's key), hands it to its
 group, evaluates it and sends the outcome back.
 
-Between two trials, and nothing more (measured, docs/architecture.md): the default
-group is destroyed (Lightning reuses one it finds, with the old members), and the
-environment is put back as the rank started (``seed_everything`` leaves
-``PL_GLOBAL_SEED``, which a later Trainer would re-seed from). A rank whose trial did
-not end cleanly is told to exit by the launcher, which starts a fresh one.
+Between two trials (measured, docs/architecture.md): the default group is destroyed
+(Lightning reuses one it finds, with the old members), the environment is put back as
+the rank started (``seed_everything`` leaves ``PL_GLOBAL_SEED``, which a later Trainer
+would re-seed from), and, once the rank is free, what the trial left is freed
+(``ddp.teardown.free_what_trials_left``: its model and optimizer state are cyclic
+garbage). A rank whose trial did not end cleanly is told to exit by the launcher, which
+starts a fresh one. Before its first hello a rank proves its device (``prove_device``):
+a device whose rank keeps failing there is retired by the launcher.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from neps_bcast import faults
 from neps_bcast.config import Settings
 from neps_bcast.ddp.group import names_for_a_new_store
+from neps_bcast.ddp.teardown import free_what_trials_left
 from neps_bcast.errors import FollowerLostError, NepsBcastError
 from neps_bcast.follower import run_follower
 from neps_bcast.launcher import wire
@@ -100,17 +105,17 @@ def serve(fn: Callable[..., Any], settings: Settings) -> None:
     the search is over (returns) or that this rank is recycled (``Recycled``)."""
     environ = os.environ
     index = int(environ[wire.ENV_POOL_INDEX])
-    key = environ[wire.ENV_POOL_KEY]
-    # Warm before the launcher counts this device free: each trial's launch detection
-    # reads Lightning's cluster environments, whose first import took 16-40 s at load
-    # (the benchmark's first trial on a rank), and an external launch's start imports
-    # the rest of what a trial needs.
+    key = wire.take_key(environ)
+    # Warm before the launcher counts this device free: an external launch's start
+    # imports what a trial needs (Lightning is not among it: detection reads the
+    # launchers' variables itself).
     detect()
-    conn = wire.connect(environ[wire.ENV_POOL], key, "rank", index)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(index)  # this rank's device, for life
-    started_with = dict(os.environ)
     tag = f"[neps_bcast pool rank on device {index}]"
+    prove_device(index)
+    freed = free_what_trials_left()  # the first: the heap of the imports frozen
+    logger.info("%s ready (%d objects frozen)", tag, freed.froze)
+    conn = wire.connect(environ[wire.ENV_POOL], key, "rank", index)
+    started_with = dict(os.environ)
     try:
         while True:
             order = conn.receive()
@@ -135,8 +140,51 @@ def serve(fn: Callable[..., Any], settings: Settings) -> None:
                 os.environ.update(started_with)
                 with contextlib.suppress(wire.WireError):
                     conn.send({"op": "free", "order": order["order"], "clean": clean})
+            # Free, waiting for its next order: the next trial's clean start, off its
+            # critical path (``ddp.teardown.free_what_trials_left``).
+            freed = free_what_trials_left()
+            logger.info(
+                "%s freed what the trial left: %d objects collected in %.1f ms (CPU %.1f ms)",
+                tag,
+                freed.collected,
+                1e3 * freed.wall_s,
+                1e3 * freed.cpu_s,
+            )
     finally:
         conn.close()
+
+
+def prove_device(index: int) -> None:
+    """Before this rank says hello (and so counts as free): make device ``index`` this
+    rank's device for life and allocate a little on it, so that a broken device fails
+    here, where the launcher counts failed starts per device and retires one that keeps
+    failing (``launcher.pool.DEVICE_START_FAILURES``), instead of failing every trial
+    placed on it. On a machine without CUDA there is nothing to prove; the fault point
+    ``device`` is reached all the same."""
+    faults.point("device", device=index)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(index)
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+
+
+def on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in it (in dicts, lists, tuples) moved to the CPU: a
+    result holding CUDA tensors (``trainer.callback_metrics`` in an ``info_dict``)
+    would make the agent, which has no GPU, create a CUDA context to unpickle it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        moved = copy.copy(value)  # its own type (a defaultdict keeps its factory)
+        for k, v in value.items():
+            moved[k] = on_cpu(v)
+        return moved
+    if isinstance(value, list):
+        return [on_cpu(v) for v in value]
+    if isinstance(value, tuple):
+        items = [on_cpu(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    return value
 
 
 def _run_order(
@@ -198,7 +246,7 @@ def _relay(
         if outcome.failures:
             answer["failures"] = [dataclasses.asdict(f) for f in outcome.failures]
         else:
-            result = pickle.dumps(outcome.result, protocol=pickle.HIGHEST_PROTOCOL)
+            result = pickle.dumps(on_cpu(outcome.result), protocol=pickle.HIGHEST_PROTOCOL)
             answer["result"] = wire.seal(key, "result", name, result)
         _answer(conn, name, answer)
         try:

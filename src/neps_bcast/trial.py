@@ -27,6 +27,7 @@ from neps_bcast import faults
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
 from neps_bcast.ddp.group import FormingAbandoned
+from neps_bcast.ddp.teardown import Freed, trial_starts
 from neps_bcast.errors import (
     ErrorRecord,
     FollowerLostError,
@@ -298,7 +299,13 @@ def evaluate_once(
     forming here, so the follower too takes the trial's first step before a stop ends it.
 
     A follower whose step brought the leader's STOP raises ``SearchStopped``.
+
+    Each trial starts clean (``ddp.teardown.trial_starts``): what earlier trials left on
+    this rank is freed first, unless the rank did it while it waited (a follower, a pool
+    rank). On the leader it is done here, before the hand-over: after the trial the
+    leader's time belongs to NePS (recording, sampling).
     """
+    log_freed(rt, trial_starts())
     run = TrialRun(rt, message)
     with run.running():
         result: Any = None
@@ -347,3 +354,16 @@ def evaluate_once(
         # (see ``compat.torch.keep_groups_alive``), are freed here.
         release_destroyed_groups()
         return Outcome(result, error, failures)
+
+
+def log_freed(rt: Runtime, freed: Freed | None) -> None:
+    """One line per clean start: what the collection found and what it cost."""
+    if freed is not None:
+        rt.log(
+            logging.INFO,
+            "freed what earlier trials left: %d objects collected%s in %.1f ms (CPU %.1f ms)",
+            freed.collected,
+            f", {freed.froze} frozen" if freed.froze else "",
+            1e3 * freed.wall_s,
+            1e3 * freed.cpu_s,
+        )

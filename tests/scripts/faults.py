@@ -298,10 +298,15 @@ def devices(asked: int) -> int:
     return asked + 1 if fires("too_many_devices", SEQ["n"]) else asked
 
 
+TRACE = bool(os.environ.get("NB_TRACE_POINTS"))
+"""Arm every library point and record each one a process reaches ("point": its name):
+tests/test_fault_points.py proves one launch reaches every point the sweep names."""
+
+
 def install() -> None:
     """Arm the library's fault points (``neps_bcast.faults``) that a fault names, and
     hook the one that lies in torch (``reform``)."""
-    if not FAULTS:
+    if not FAULTS and not TRACE:
         return
     from neps_bcast import faults as points
 
@@ -309,9 +314,14 @@ def install() -> None:
     armed = (named & set(points.POINTS)) | {"evaluate"}
     if POOL_ROLE == "rank":
         armed |= {"order", "done"}
-    points.arm(_on_point, armed)
+    points.arm(_traced if TRACE else _on_point, {points.EVERY} if TRACE else armed)
     if "reform" in named:
         _hook_reform()
+
+
+def _traced(name: str, context: Any) -> None:
+    record("point", name=name, role=POOL_ROLE)
+    _on_point(name, context)
 
 
 UPCOMING = {"orphans", "lease", "leased", "handed"}

@@ -139,6 +139,32 @@ def trial(t: Any) -> None:
             time.sleep(0.05)  # test orchestration only: make two launches overlap
 
 
+def heap(numel: int, where: str) -> None:
+    """What this process holds now ("heap"): its live tensors of at least ``numel``
+    elements (``gc.get_objects``: a finished trial's model is cyclic garbage until a
+    collection, and still counted), its RSS, and where CUDA is initialised the memory
+    allocated on its device. Counting collects nothing: it sees what the trial sees."""
+    import gc
+
+    import torch
+
+    objects = gc.get_objects()
+    big = sum(1 for o in objects if isinstance(o, torch.Tensor) and o.numel() >= numel)
+    del objects
+    with open("/proc/self/statm") as f:  # noqa: PTH123 - no audit event wanted either way
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    record(
+        "heap",
+        where=where,
+        seq=SEQ["n"],
+        big_tensors=big,
+        rss=rss,
+        cuda_allocated=torch.cuda.memory_allocated() if cuda else None,
+        cuda_peak=torch.cuda.max_memory_allocated() if cuda else None,
+    )
+
+
 def trained(rank: int, loss: float) -> None:
     import torch.distributed as dist
 
@@ -525,9 +551,13 @@ def _exit_code(exc: BaseException | None) -> int:
 
 def _record_exit(exc: BaseException | None) -> None:
     code = _exit_code(exc)
+    torch = sys.modules.get("torch")
     record(
         "exit",
         code=code,
+        cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        cuda_initialized=bool(torch is not None and torch.cuda.is_initialized()),
+        pool_role=os.environ.get("NEPS_BCAST_POOL_ROLE"),
         ok=code == 0,
         error=None if exc is None else f"{type(exc).__name__}: {exc}",
         calls=CALLS,

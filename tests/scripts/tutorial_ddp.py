@@ -14,6 +14,7 @@ function becomes ``evaluate_pipeline``, unchanged in shape, and every rank calls
 - ``lazy``: formed in the function when it does not exist yet, never destroyed.
 
 Test hooks, read from the environment (not part of what a user writes):
+``--backend nccl``: the tutorial's GPU version (one GPU per rank, ``LOCAL_RANK``'s).
 ``TUTORIAL_RECORD`` (a folder: one JSON line per rank and trial, what it evaluated)
 and ``TUTORIAL_FAIL`` (``"<trial>:<rank>"``: that rank raises in the middle of the
 training of the trial-th trial it evaluates).
@@ -36,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import neps_bcast
 
-ARGS = argparse.Namespace(group="per-trial", steps=6)
+ARGS = argparse.Namespace(group="per-trial", steps=6, backend="gloo")
 TRIALS_DONE = {"n": 0}
 
 
@@ -55,7 +56,9 @@ def setup() -> None:
     # torchrun sets RANK and WORLD_SIZE; under srun they are SLURM's
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if ARGS.backend == "nccl":  # the tutorial's GPU version: one GPU per rank
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(ARGS.backend, rank=rank, world_size=world_size)
 
 
 def cleanup() -> None:
@@ -73,15 +76,16 @@ def evaluate_pipeline(pipeline_directory: Path, lr: float, hidden: int) -> float
     record(rank, pipeline_directory, lr, hidden)
 
     torch.manual_seed(0)
-    model = ToyModel(hidden)
-    ddp_model = DDP(model)
+    device = torch.device("cuda", torch.cuda.current_device()) if ARGS.backend == "nccl" else None
+    model = ToyModel(hidden).to(device)
+    ddp_model = DDP(model, device_ids=[device] if device is not None else None)
     loss_fn = nn.MSELoss()
     optimizer = optim.SGD(ddp_model.parameters(), lr=lr)
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=device)
     for step in range(ARGS.steps):
         optimizer.zero_grad()
-        outputs = ddp_model(torch.randn(20, 10))
-        labels = torch.randn(20, 5)
+        outputs = ddp_model(torch.randn(20, 10, device=device))
+        labels = torch.randn(20, 5, device=device)
         loss = loss_fn(outputs, labels)
         loss.backward()
         optimizer.step()
@@ -103,6 +107,7 @@ def record(rank: int, pipeline_directory: Path, lr: float, hidden: int) -> None:
             "trial": Path(pipeline_directory).name,
             "lr": lr,
             "hidden": hidden,
+            "backend": dist.get_backend(),
             "t": time.time(),
         }
         with (Path(folder) / f"rank{rank}.jsonl").open("a") as f:
@@ -126,6 +131,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--root", default="results/tutorial")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.parse_args(namespace=ARGS)
     logging.basicConfig(level=logging.INFO)
     if ARGS.group == "once":

@@ -3,6 +3,7 @@ pool, PyTorch's DDP tutorial inside the function, with the test scripts' probe a
 fault hooks (tests/scripts/probe.py, faults.py).
 
     neps-bcast launch --pool 2 pool_fault_search.py --trials 6
+    neps-bcast launch --pool 2 pool_fault_search.py --session-forms-group
 
 On a pool of 2, trials of 2 ranks run one after another: the two agents each hold one,
 the launcher places them in the order asked.
@@ -36,9 +37,11 @@ class Space(neps.PipelineSpace):
 
 @probe.evaluation
 def evaluate_pipeline(lr: float) -> float:
-    dist.init_process_group("gloo")  # torchrun's variables, as the tutorial
+    if not ARGS.session_forms_group:
+        dist.init_process_group("gloo")  # torchrun's variables, as the tutorial
     with neps_bcast.session() as trial:
         probe.trial(trial)
+        probe.record("environment", pool_key="NEPS_BCAST_POOL_KEY" in os.environ)
         model = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         torch.manual_seed(0)
@@ -52,7 +55,8 @@ def evaluate_pipeline(lr: float) -> float:
             opt.step()
         probe.trained(trial.rank, float(loss))
         del model, opt
-    dist.destroy_process_group()
+    if not ARGS.session_forms_group:
+        dist.destroy_process_group()
     return float(loss.item())
 
 
@@ -60,6 +64,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=4)
     parser.add_argument("--root", default="results")
+    parser.add_argument(
+        "--session-forms-group",
+        action="store_true",
+        help="no init_process_group in the function: neps_bcast.session() forms the group",
+    )
     parser.parse_args(namespace=ARGS)
     role = os.environ.get("NEPS_BCAST_POOL_ROLE", "")
     probe.record("pool_member", role=role, index=os.environ.get("NEPS_BCAST_POOL_INDEX"))

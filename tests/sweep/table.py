@@ -583,6 +583,13 @@ POOL_FAULTS = (
         "launcher",
     ),
     Fault("int_launcher", "SIGINT to the launcher (Ctrl-C)", "sigint", "launcher"),
+    Fault(
+        "kill_launcher",
+        "SIGKILL to the launcher (a crash, the OOM killer): its processes get their"
+        " parent-death SIGTERM",
+        "sigkill",
+        "launcher",
+    ),
 )
 POOL_FAULT = {f.name: f for f in POOL_FAULTS}
 POOL_POINT = {p.name: p for p in POOL_POINTS}
@@ -636,7 +643,7 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
             )
         )
     if fault.to == "launcher":
-        code = 143 if fault.kind == "sigterm" else 130
+        code = {"sigterm": 143, "sigint": 130, "sigkill": -9}[fault.kind]
         return PoolExpect(
             "pool_stopped",
             S({"pending", OK})
@@ -646,9 +653,11 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
             S(),
             POOL_STOP_EXITS,
             S({code}),
-            "the launcher forwards SIGTERM to every agent and rank"
-            if fault.kind == "sigint"
-            else "",
+            {
+                "sigint": "the launcher forwards SIGTERM to every agent and rank",
+                "sigkill": "every agent and rank gets its parent-death SIGTERM; an agent"
+                " that sees the launcher's socket close first puts its trial back too",
+            }.get(fault.kind, ""),
             stops=True,
         )
     if agent_fault:
@@ -798,13 +807,19 @@ POOL_CHAINS: dict[str, tuple[tuple[str, str], ...]] = {
         ("handed", "kill_r1"),
         ("fit", "term_ranks"),
         ("fit", "raise"),
+        ("exchange", "kill_r1"),
+        ("done", "kill_r0"),
     ),
     "agent": (
         ("ask", "kill_agent"),
         ("fit", "kill_agent"),
         ("record", "raise"),
+        ("lease", "kill_agent"),
+        ("record", "kill_agent"),
+        ("sample", "raise"),
     ),
     "launcher": (
+        ("fit", "kill_launcher"),
         ("fit", "term_launcher"),
         ("stop", "int_launcher"),
     ),
@@ -817,12 +832,9 @@ the last stop put back), and a last run finishes the budget; the ``stop`` cell, 
 lands once an agent's search is over (the budget spent, the other agent's trial
 possibly still running).
 
-Each fault on a rank costs two fresh ranks (both are recycled), each on an agent a
-fresh agent, each to the launcher a whole launch: ~7 s of CPU per process to import
-torch and NePS. The chains hold what fits CI's time (90 minutes for the suite, the
-sweep and SLURM on 2 cores): every kind of process and of fault at least once, rank 0
-lost before its group formed, rank 1 lost after it was handed the trial. Cut for that
-time, and green at 086e1b0 in chains of their own: rank 1 killed at the exchange, rank 0
-at ``done``, the agent killed at ``lease`` and ``record``, NePS raising at ``sample``."""
+Every kind of process and of fault, at every step where it means something different:
+rank 0 lost before its group formed and after its outcome was sent, rank 1 lost after
+it was handed the trial and at the exchange, the agent killed at each of its steps,
+NePS raising as it samples and records, and each signal to the launcher."""
 
 POOL_CELLS = [(POOL_POINT[p], POOL_FAULT[f]) for cells in POOL_CHAINS.values() for p, f in cells]

@@ -32,6 +32,7 @@ __all__ = [
     "TCPStore",
     "abort_nccl",
     "close_gloo_group",
+    "empty_cuda_cache",
     "gloo_allgather",
     "gloo_allgather_through_root",
     "is_peer_closed",
@@ -212,6 +213,16 @@ def release_destroyed_groups() -> int:
     count = len(gone)
     del gone  # freed here, through the groups' own bindings (GIL released)
     return count
+
+
+def empty_cuda_cache() -> bool:
+    """Return CUDA's cached blocks to the device, only where this process initialised
+    CUDA already (``torch.cuda.is_initialized`` never initialises it; a pool's agent has
+    no GPU and must never get a context); whether it did."""
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
+        return False
+    torch.cuda.empty_cache()
+    return True
 
 
 def abort_nccl() -> None:

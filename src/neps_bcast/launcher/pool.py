@@ -55,6 +55,13 @@ wait in the rendezvous (on the agent's store) for ``NEPS_BCAST_JOIN_TIMEOUT_S`` 
 holding their devices (found by the pool's fault sweep: SIGKILL to a rank at its order,
 to an agent once it asked)."""
 
+DEVICE_START_FAILURES = 3
+"""A device whose rank exits before it says hello (it proves its device first:
+``pool_rank.prove_device``) this many times in a row is retired: no rank is started
+for it again, trials that no longer fit the devices left are refused, and when no
+device is left the launch ends. Without it a broken device's rank was restarted for
+ever and the launch never ended."""
+
 AGENT_RESTARTS = 3
 """Fresh agents started for one agent index that was killed (SIGKILL, the OOM killer)
 or failed (its NePS raised) while the search went on; past this, a lost agent is not
@@ -87,6 +94,8 @@ class Member:
     """A rank: the order it is in (from the order until it is free again)."""
     retiring: bool = False
     """Told to exit (recycled, or the search is over)."""
+    said_hello: bool = False
+    """It connected and proved the pool's key (a rank: after it proved its device)."""
     reaped: bool = False
     """Its exit was handled."""
 
@@ -138,6 +147,12 @@ class Pool:
         self.done = 0
         self.failed_agents: list[tuple[int, int]] = []
         self.agent_restarts: dict[int, int] = {}
+        self.start_failures: dict[int, list[int]] = {}
+        """A device's rank exits before its hello, in a row (exit codes)."""
+        self.retired: dict[int, str] = {}
+        """Retired devices, each with why."""
+        self.ended: str | None = None
+        """Why the launcher ended the launch itself (no device left)."""
         self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
         self.path = str(self.folder / "pool.sock")
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -155,7 +170,10 @@ class Pool:
                 wire.ENV_POOL_KEY: self.key,
             }
         )
-        if self.plan.devices is not None:
+        if role == "agent":
+            # An agent never trains: no device of a rank's may get a CUDA context of it.
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        elif self.plan.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.plan.devices)
             env[ENV_POOL_DEVICES] = ",".join(self.plan.devices)
         return env
@@ -233,20 +251,33 @@ class Pool:
         sock, _ = self.server.accept()
         conn = wire.Conn(sock)
         try:
-            hello = wire.accept(conn, self.key)
+            hello = wire.accept(conn, self.key, self._admit)
         except (wire.WireError, TimeoutError, OSError) as exc:
             self.display.say(f"refused a connection to the pool's socket: {exc}")
             conn.close()
             return
         role, index = hello["role"], hello["index"]
-        member = (self.agents if role == "agent" else self.ranks).get(index)
-        if member is None or member.proc.pid != hello.get("pid") or member.conn is not None:
-            conn.send({"op": "refused", "why": "not a process this launcher started"})
-            conn.close()
-            return
+        member = (self.agents if role == "agent" else self.ranks)[index]
         member.conn = conn
+        member.said_hello = True
+        if role == "rank":
+            self.start_failures.pop(index, None)
         if role == "rank" and self.stop_deadline is None:
             self.placement.set_available(index, True)
+
+    def _admit(self, hello: dict[str, Any]) -> str | None:
+        """Why the process that proved the key is not taken (None: it is): it must be
+        the one this launcher started for its role and index (by the kernel's pid),
+        not yet connected."""
+        role, index, pid = hello["role"], hello["index"], hello["pid"]
+        member = (self.agents if role == "agent" else self.ranks).get(index)
+        if member is None:
+            return f"this launcher started no {role} {index}"
+        if member.proc.pid != pid:
+            return f"{role} {index} is pid {member.proc.pid} here, not pid {pid}"
+        if member.conn is not None:
+            return f"{role} {index} (pid {pid}) is connected already"
+        return None
 
     def _read(self, member: Member) -> None:
         assert member.conn is not None
@@ -282,6 +313,8 @@ class Pool:
                 self._tell(member, {"op": "outcome", "order": key, "refused": str(exc)})
                 return
             self.orders[key] = order
+            if order.size > self._devices_left():
+                self._refuse(order)
         elif member.role == "rank" and op == "outcome":
             ended = self.orders.get(str(record["order"]))
             if ended is None or member.index != ended.ranks[0] or ended.answered:
@@ -299,6 +332,74 @@ class Pool:
             freed.clean = freed.clean and bool(record.get("clean"))
             freed.free.add(member.index)
             self._maybe_release(freed)
+
+    def _devices_left(self) -> int:
+        return self.plan.size - len(self.retired)
+
+    def _refuse(self, order: Order) -> None:
+        """A waiting trial that no longer fits the devices left: withdrawn, and its agent
+        told why (NePS records the trial crashed with it)."""
+        self.placement.cancel(order.key)
+        self.orders.pop(order.key, None)
+        left, size = self._devices_left(), self.plan.size
+        retired = "; ".join(f"device {d}: {why}" for d, why in sorted(self.retired.items()))
+        agent = self.agents.get(order.agent)
+        if agent is not None:
+            self._tell(
+                agent,
+                {
+                    "op": "outcome",
+                    "order": order.key,
+                    "refused": f"trial {order.trial} needs {order.size} device(s), but {left}"
+                    f" of the pool's {size} are left ({retired}); expected {order.size} <="
+                    f" {left}. HINT: fix or replace the retired device(s) and start the pool"
+                    " again, or make ranks_per_trial ask for at most"
+                    f" {max(left, 1)}.",
+                },
+            )
+
+    def _failed_start(self, rank: Member, code: int, now: float) -> bool:
+        """A rank exited before its hello (its device failed to prove itself, or the
+        script failed before ``neps_bcast.run``); True when its device is now retired
+        (``DEVICE_START_FAILURES`` in a row)."""
+        index = rank.index
+        codes = self.start_failures.setdefault(index, [])
+        codes.append(code)
+        if len(codes) < DEVICE_START_FAILURES:
+            return False
+        self.retired[index] = (
+            f"its rank failed to start {len(codes)} times in a row, exit codes"
+            f" {', '.join(map(str, codes))}"
+        )
+        left = self._devices_left()
+        self.display.say(
+            format_message(
+                TAG,
+                f"device {index} is retired: its rank failed to start {len(codes)} times in"
+                f" a row (exit codes {', '.join(map(str, codes))}; expected it to prove its"
+                f" device and say hello); {left} of {self.plan.size} device(s) left.",
+                f"see {rank.log} for why; check the device (nvidia-smi) or leave it out of"
+                " CUDA_VISIBLE_DEVICES.",
+            )
+            + f" The end of {rank.log}:\n{status.tail(rank.log, 12)}"
+        )
+        for order in [o for o in self.orders.values() if not o.ranks]:
+            if order.size > left:
+                self._refuse(order)
+        if left == 0:
+            each = "; ".join(f"device {d}: {why}" for d, why in sorted(self.retired.items()))
+            self._end(
+                now,
+                format_message(
+                    TAG,
+                    f"no device of the pool is left ({each}): no trial can run, so the"
+                    " launch ends.",
+                    f"see the ranks' logs in {self.plan.log_dir}/ for why they failed; check"
+                    " the devices (nvidia-smi, CUDA_VISIBLE_DEVICES) and run the same"
+                    " command again (its trials stay in the NePS root).",
+                ),
+            )
+        return True
 
     def _tell(self, member: Member, record: dict[str, Any]) -> None:
         if member.conn is None:
@@ -480,6 +581,13 @@ class Pool:
             if order is not None:
                 self._rank_of_a_trial_lost(order, rank, code, now)
             over = not any(a.proc.poll() is None for a in self.agents.values())
+            if (
+                not rank.said_hello
+                and not rank.retiring
+                and self.stop_deadline is None
+                and self._failed_start(rank, code, now)
+            ):
+                continue  # retired: no fresh rank for its device
             if self.stop_deadline is None and not over:
                 if not rank.retiring:
                     self.display.say(
@@ -541,10 +649,20 @@ class Pool:
 
     def _stop(self, now: float) -> None:
         name = signal.Signals(self.signals.received[0]).name
-        self.display.say(
+        self._end(
+            now,
             f"{name} received: stopping every agent and rank (SIGTERM; SIGKILL after"
-            f" {self.settings.stop_timeout_s:.0f} s; again to kill at once)."
+            f" {self.settings.stop_timeout_s:.0f} s; again to kill at once).",
         )
+
+    def _end(self, now: float, why: str) -> None:
+        """Stop every process of the launch: SIGTERM now, SIGKILL at the deadline. An
+        agent's trial in progress is settled by its leader's stop (back to pending)."""
+        if self.stop_deadline is not None:
+            return
+        if not self.signals.received:
+            self.ended = why
+        self.display.say(why)
         for member in self._members():
             if member.proc.poll() is None:
                 procfs.kill(member.proc.pid, signal.SIGTERM)
@@ -553,6 +671,9 @@ class Pool:
     def _exit_status(self) -> int:
         if self.signals.received:
             return 128 + self.signals.received[0]
+        if self.ended is not None:
+            self.display.say(self.ended)  # last: the reason the launch failed
+            return 1
         if not self.failed_agents:
             return 0
         index, code = self.failed_agents[0]

@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import struct
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 ENV_POOL = "NEPS_BCAST_POOL"
@@ -35,6 +36,19 @@ ENV_POOL_SIZE = "NEPS_BCAST_POOL_SIZE"
 ENV_POOL_KEY = "NEPS_BCAST_POOL_KEY"
 """The pool's key, hex (proves a connection, seals payloads)."""
 POOL_VARIABLES = (ENV_POOL, ENV_POOL_ROLE, ENV_POOL_INDEX, ENV_POOL_SIZE, ENV_POOL_KEY)
+
+
+def take_key(environ: MutableMapping[str, str]) -> str:
+    """The pool's key, taken out of the environment as it is read: nothing the user's
+    code starts (a subprocess, a data loader's worker, a shell) inherits it."""
+    key = environ.pop(ENV_POOL_KEY, None)
+    if not key:
+        raise WireError(
+            f"{ENV_POOL_KEY} is not set: this process was not started by neps-bcast launch"
+            " --pool (or read the key already)"
+        )
+    return key
+
 
 MAX_LINE = 256 * 1024 * 1024
 """Largest line read: a trial's sealed arguments or result, base64."""
@@ -159,10 +173,16 @@ def parse(line: bytes) -> dict[str, Any]:
     return record
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
+    """The connected process's pid and uid as the kernel saw them at ``connect``
+    (``SO_PEERCRED``), not as the process claims them."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
+
+
+def peer_uid(sock: socket.socket) -> int:
+    return peer_credentials(sock)[1]
 
 
 def connect(path: str, key: str, role: str, index: int) -> Conn:
@@ -194,10 +214,15 @@ def connect(path: str, key: str, role: str, index: int) -> Conn:
     return conn
 
 
-def accept(conn: Conn, key: str) -> dict[str, Any]:
+def accept(
+    conn: Conn, key: str, admit: Callable[[dict[str, Any]], str | None] = lambda hello: None
+) -> dict[str, Any]:
     """The launcher's side of the opening (blocking, bounded): the hello of a process
-    that proved the key and is this user; ``WireError`` otherwise."""
-    uid = peer_uid(conn.sock)
+    that proved the key and is this user; ``WireError`` otherwise. The hello's ``pid``
+    is the kernel's (``SO_PEERCRED``), whatever the process wrote. ``admit(hello)``, last,
+    names why the launcher will not take this process (None: welcome): the process then
+    hears the reason at its ``connect`` instead of a welcome and a closed socket."""
+    pid, uid = peer_credentials(conn.sock)
     if uid != os.geteuid():
         raise WireError(f"a process of uid {uid} connected: refused")
     hello = conn.receive(_HELLO_TIMEOUT_S)
@@ -218,5 +243,10 @@ def accept(conn: Conn, key: str) -> dict[str, Any]:
     if answer.get("op") != "proof" or not hmac.compare_digest(str(answer.get("proof")), expected):
         conn.send({"op": "refused", "why": "the pool's key was not proven"})
         raise WireError("a process that did not prove the pool's key: refused")
+    hello = {**hello, "pid": pid}
+    why = admit(hello)
+    if why is not None:
+        conn.send({"op": "refused", "why": why})
+        raise WireError(f"{role} {index} (pid {pid}) refused: {why}")
     conn.send({"op": "welcome"})
     return hello

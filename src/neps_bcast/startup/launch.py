@@ -10,7 +10,11 @@ Three kinds of launch, in the order they are checked:
    ``srun``, or plain ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``).
    TorchElastic comes before SLURM because torchrun is often run inside a SLURM job:
    then the SLURM variables describe the job, not the ranks (Lightning orders its
-   detection the same way). Lightning's ``ClusterEnvironment`` classes do the parsing.
+   detection the same way). ``LAUNCHERS`` reads each launcher's variables, as
+   Lightning's ``ClusterEnvironment`` classes and submitit's job environments do,
+   without importing Lightning: a plain-DDP or pool rank never asked for it, and its
+   import (about a second of CPU, most of it the Trainer that ``lightning/__init__``
+   pulls in) was paid by every rank of every launch.
 3. ``single``: anything else. This process is a leader; its function may still start
    a DDP group of its own (Lightning ``strategy="ddp"``, ``ddp_spawn``, ``mp.spawn``).
 """
@@ -18,6 +22,8 @@ Three kinds of launch, in the order they are checked:
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -41,6 +47,66 @@ IDENTITY = {
 run id, or the rendezvous address only one launch at a time can serve)."""
 RANK_VARIABLE = {"torchelastic": "RANK", "slurm": "SLURM_PROCID", "env": "RANK"}
 _LOOPBACK = ("127.", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class LauncherVariables:
+    """Where one launcher puts a rank's place: variable names, first match wins."""
+
+    world_size: str
+    global_rank: str
+    local_rank: str
+    node_rank: tuple[str, ...]
+    default_address: Callable[[dict[str, str]], str] = lambda env: "127.0.0.1"
+    default_port: Callable[[dict[str, str]], int] = lambda env: DEFAULT_PORT
+
+
+DEFAULT_PORT = 12910
+"""Lightning's port when neither MASTER_PORT nor a SLURM job id gives one."""
+
+
+def _slurm_root_node(env: dict[str, str]) -> str:
+    """The first host of ``SLURM_NODELIST`` ('host[5-9],other' -> 'host5'), as Lightning's
+    ``SLURMEnvironment.resolve_root_node_address`` reads it."""
+    nodes = env.get("SLURM_NODELIST", "127.0.0.1")
+    nodes = re.sub(r"\[(.*?)[,-].*\]", "\\1", nodes)  # the first node of every range
+    nodes = re.sub(r"\[(.*?)\]", "\\1", nodes)  # a range of one number
+    return nodes.split(" ")[0].split(",")[0]
+
+
+def _slurm_port(env: dict[str, str]) -> int:
+    """Lightning's SLURM default: 15000 + the job id's last four digits."""
+    job_id = env.get("SLURM_JOB_ID", "")
+    return int(job_id[-4:]) + 15000 if job_id[-4:].isdigit() else DEFAULT_PORT
+
+
+LAUNCHERS = {
+    "torchelastic": LauncherVariables("WORLD_SIZE", "RANK", "LOCAL_RANK", ("GROUP_RANK",)),
+    "slurm": LauncherVariables(
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        ("SLURM_NODEID",),
+        _slurm_root_node,
+        _slurm_port,
+    ),
+    "env": LauncherVariables("WORLD_SIZE", "RANK", "LOCAL_RANK", ("NODE_RANK",)),
+}
+"""Each launcher's variables (the ones Lightning's TorchElastic, SLURM and Lightning
+cluster environments read); ``tests/test_launch.py`` checks both agree."""
+
+
+def _which_launcher(env: dict[str, str]) -> str:
+    """TorchElastic (``TORCHELASTIC_RUN_ID``: ``torch.distributed.is_torchelastic_launched``),
+    then SLURM (``SLURM_NTASKS``, unless the job is an interactive shell named 'bash' or
+    'interactive'), then the four variables of a hand-made launch; "none" otherwise."""
+    if "TORCHELASTIC_RUN_ID" in env:
+        return "torchelastic"
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "slurm"
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return "env"
+    return "none"
 
 
 @dataclass(frozen=True)
@@ -88,39 +154,17 @@ def detect(environ: dict[str, str] | None = None) -> Launch:
     if ENV_LEADER in env and local_rank >= 1 and "TORCHELASTIC_RUN_ID" not in env:
         return _lightning_child(env, local_rank)
 
-    from lightning.fabric.plugins.environments.lightning import LightningEnvironment
-    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
-    from lightning.fabric.plugins.environments.torchelastic import TorchElasticEnvironment
+    launcher = _which_launcher(env)
+    if launcher != "none":
+        names = LAUNCHERS[launcher]
+        world_size = _int_env(names.world_size, env)
+        global_rank = _int_env(names.global_rank, env)
+        cluster_local = _int_env(names.local_rank, env) if names.local_rank in env else 0
+        node_rank = next((_int_env(name, env) for name in names.node_rank if env.get(name)), 0)
+        address = env.get("MASTER_ADDR") or names.default_address(env)
+        port = _int_env("MASTER_PORT", env) if "MASTER_PORT" in env else names.default_port(env)
 
-    cluster: TorchElasticEnvironment | SLURMEnvironment | LightningEnvironment | None = None
-    launcher = "none"
-    saved = os.environ.copy()
-    try:
-        # Lightning's classes read os.environ: give them the environment under test.
-        os.environ.clear()
-        os.environ.update(env)
-        if TorchElasticEnvironment.detect():
-            cluster, launcher = TorchElasticEnvironment(), "torchelastic"
-        elif SLURMEnvironment.detect():
-            cluster, launcher = SLURMEnvironment(), "slurm"
-        elif all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-            cluster, launcher = LightningEnvironment(), "env"
-        if cluster is not None:
-            world_size = _int_env("WORLD_SIZE", env) if launcher == "env" else cluster.world_size()
-            global_rank = _int_env("RANK", env) if launcher == "env" else cluster.global_rank()
-            if launcher == "env":
-                cluster_local, node_rank = (
-                    local_rank,
-                    _int_env("NODE_RANK", env) if "NODE_RANK" in env else 0,
-                )
-            else:
-                cluster_local, node_rank = cluster.local_rank(), cluster.node_rank()
-            address, port = cluster.main_address, cluster.main_port
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-    if cluster is not None and world_size is not None and world_size > 1:
+    if launcher != "none" and world_size > 1:
         if not 0 <= global_rank < world_size:
             raise LaunchError(
                 format_message(

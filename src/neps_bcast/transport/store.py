@@ -63,8 +63,9 @@ class Keys:
         return f"{PREFIX}/watch/released/{group_rank}"
 
 
-def serve(timeout: datetime.timedelta, *, loopback: bool) -> TCPStore:
-    """Start the leader's store on a port the OS picks.
+def serve(timeout: datetime.timedelta, *, loopback: bool, multi_tenant: bool = False) -> TCPStore:
+    """Start the leader's store (or a pool trial's rendezvous store, ``multi_tenant``
+    as torch's own) on a port the OS picks.
 
     TCPStore itself listens on every interface whatever host it is given, so for a
     loopback-only store it is handed a socket already bound to 127.0.0.1.
@@ -76,6 +77,7 @@ def serve(timeout: datetime.timedelta, *, loopback: bool) -> TCPStore:
             is_master=True,
             wait_for_workers=False,
             timeout=timeout,
+            multi_tenant=multi_tenant,
         )
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
@@ -87,6 +89,7 @@ def serve(timeout: datetime.timedelta, *, loopback: bool) -> TCPStore:
         is_master=True,
         wait_for_workers=False,
         timeout=timeout,
+        multi_tenant=multi_tenant,
         master_listen_fd=listener.detach(),  # the store owns the socket from here on
     )
 

@@ -1,0 +1,129 @@
+"""The fault points the sweep lands faults at (tests/sweep/table.py) are part of the
+library (``neps_bcast.faults``), and one short launch reaches every one of them.
+
+The sweep takes most of an hour; a refactor that drops or renames a point must fail
+here, in seconds, instead of turning every cell of that step into "the fault never
+fired" at the end of the sweep.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import PYTHON, Result, assert_nothing_left, run
+from neps_bcast import faults
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "neps_bcast"
+SWEEP = Path(__file__).resolve().parent / "sweep"
+sys.path.insert(0, str(SWEEP))
+
+import table  # noqa: E402 - tests/sweep is not a package
+
+SCRIPT_POINTS = {"before", "session", "fit", "after"}
+"""Points the user-shaped test scripts call themselves (``faults.at``), in the user's code."""
+TORCH_POINTS = {"reform"}
+"""Points inside torch (``dist.init_process_group``), hooked by tests/scripts/faults.py."""
+
+
+def points_in_code() -> dict[str, list[str]]:
+    """Every ``faults.point("name", ...)`` call in the library: name -> where."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "point"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "faults"
+            ):
+                assert node.args and isinstance(node.args[0], ast.Constant), (
+                    f"{path}:{node.lineno}: a fault point's name must be a literal"
+                )
+                found.setdefault(str(node.args[0].value), []).append(
+                    f"{path.relative_to(SRC)}:{node.lineno}"
+                )
+    return found
+
+
+def sweep_points() -> set[str]:
+    return {p.name for p in table.POINTS} | {p.name for p in table.POOL_POINTS}
+
+
+def test_every_point_the_sweep_names_is_a_library_point_or_the_users_code() -> None:
+    unknown = sweep_points() - set(faults.POINTS) - SCRIPT_POINTS - TORCH_POINTS
+    assert not unknown, f"the sweep names points the library does not have: {sorted(unknown)}"
+
+
+def test_every_listed_point_is_in_the_code_and_every_point_in_the_code_is_listed() -> None:
+    in_code = points_in_code()
+    assert set(in_code) == set(faults.POINTS), (
+        f"listed but not in the code: {sorted(set(faults.POINTS) - set(in_code))};"
+        f" in the code but not listed: {sorted(set(in_code) - set(faults.POINTS))}"
+    )
+
+
+def test_arming_an_unknown_point_names_the_points() -> None:
+    with pytest.raises(ValueError, match=r"no fault point named handedd; the points are"):
+        faults.arm(lambda name, context: None, ["handedd"])
+    faults.disarm()
+
+
+def test_a_point_is_a_no_op_unless_armed() -> None:
+    reached: list[str] = []
+    faults.point("handed", seq=1)
+    faults.arm(lambda name, context: reached.append(name), ["lease"])
+    try:
+        faults.point("handed", seq=1)
+        faults.point("lease")
+    finally:
+        faults.disarm()
+    faults.point("lease")
+    assert reached == ["lease"]
+
+
+@pytest.fixture(scope="module")
+def traced_pool(tmp_path_factory: pytest.TempPathFactory) -> Result:
+    """One short pool launch (2 devices, trials of 2 ranks, 3 trials, the group formed
+    by ``session()``) with every point armed and recorded; rank 1 of trial 2 is SIGKILLed in its training step, so the
+    agent settles that trial (back to pending) and the pool evaluates it again."""
+    tmp = tmp_path_factory.mktemp("points")
+    command = [
+        str(Path(PYTHON).with_name("neps-bcast")),
+        *("launch", "--pool", "2", str(SWEEP / "pool_fault_search.py"), "--trials", "3"),
+        "--session-forms-group",
+    ]
+    return run(
+        command,
+        tmp,
+        name="traced",
+        fault="sigkill:follower:at=fit:id=2",
+        env={"NB_TRACE_POINTS": "1"},
+        timeout=300,
+    )
+
+
+def test_one_short_launch_reaches_every_point_of_the_library(traced_pool: Result) -> None:
+    reached = {e["name"] for e in traced_pool.of("point")}
+    missing = set(faults.POINTS) - reached
+    assert not missing, (
+        f"points no process reached: {sorted(missing)}; reached: {sorted(reached)};"
+        f" logs:\n{traced_pool.tail()}"
+    )
+
+
+def test_the_traced_launch_finished_its_budget_and_left_nothing(traced_pool: Result) -> None:
+    assert traced_pool.returncode == 0, traced_pool.tail()
+    assert_nothing_left(traced_pool)
+
+
+def test_the_users_function_does_not_see_the_pools_key(traced_pool: Result) -> None:
+    """The key proves membership of the pool and seals its payloads: read once by each
+    agent and rank, it is out of the environment before the user's code runs."""
+    seen = traced_pool.of("environment")
+    assert seen, "no trial recorded its environment"
+    assert not any(e["pool_key"] for e in seen), seen

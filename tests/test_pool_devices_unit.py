@@ -1,0 +1,171 @@
+"""The pool launcher's bookkeeping of devices, without processes: a device whose rank
+fails to start ``DEVICE_START_FAILURES`` times in a row is retired, trials that no
+longer fit are refused naming the sizes, and with no device left the launch ends; a
+rank's result is moved to the CPU before it is sealed. (End to end, with real ranks
+failing at the ``device`` fault point: tests/test_e2e_pool_devices.py.)"""
+
+from __future__ import annotations
+
+import io
+import itertools
+from collections import namedtuple
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neps_bcast.launcher import pool as pool_module
+from neps_bcast.launcher.groups import Settings
+from neps_bcast.launcher.pool import DEVICE_START_FAILURES, Member, Pool, PoolPlan
+from neps_bcast.pool_rank import on_cpu
+
+PIDS = itertools.count(10_000_000)  # above any pid_max: never a real process
+
+
+class FakeProc:
+    def __init__(self, code: int | None = None) -> None:
+        self.pid = next(PIDS)
+        self.code = code
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class FakeConn:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, record: dict[str, Any]) -> None:
+        self.sent.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pool:
+    """A pool of 2 whose ranks never start (each fresh one is a process that exited 1)
+    and whose 2 agents are alive; signals it would send are recorded, not sent."""
+    plan = PoolPlan(2, None, tmp_path / "script.py", (), tmp_path / "logs")
+    p = Pool(plan, Settings(), io.StringIO())
+    p.killed_pids = []  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        pool_module.procfs,
+        "kill",
+        lambda pid, sig=9: p.killed_pids.append((pid, sig)),  # type: ignore[attr-defined]
+    )
+
+    def start(role: str, index: int) -> Member:
+        member = Member(role, index, FakeProc(1 if role == "rank" else None), tmp_path / "x.log")  # type: ignore[arg-type]
+        (p.agents if role == "agent" else p.ranks)[index] = member
+        return member
+
+    monkeypatch.setattr(p, "_start", start)
+    for index in range(2):
+        start("rank", index)
+        agent = start("agent", index)
+        agent.conn = FakeConn()  # type: ignore[assignment]
+        agent.said_hello = True
+    return p
+
+
+def ask(p: Pool, agent: int, trial: str, size: int) -> None:
+    p._handle(
+        p.agents[agent],
+        {"op": "ask", "order": f"o{trial}", "trial": trial, "size": size, "port": 1, "payload": ""},
+    )
+
+
+def told(p: Pool, agent: int) -> list[dict[str, Any]]:
+    return p.agents[agent].conn.sent  # type: ignore[union-attr]
+
+
+def fail_starts(p: Pool, times: int) -> None:
+    """Every rank whose process exited (1, before its hello) is reaped ``times`` times; a
+    fresh one (exiting 1 again) replaces it unless its device is retired."""
+    for _ in range(times):
+        p._reap_ranks(0.0)
+
+
+def test_a_device_is_retired_after_its_rank_failed_to_start_k_times_in_a_row(pool: Pool) -> None:
+    pool.ranks[0].proc.code = None  # type: ignore[attr-defined]  # device 0's rank is fine
+    fail_starts(pool, DEVICE_START_FAILURES - 1)
+    assert pool.retired == {}
+    fail_starts(pool, 1)
+    assert list(pool.retired) == [1]
+    text = pool.display.stream.getvalue()  # type: ignore[attr-defined]
+    assert (
+        "[neps_bcast launch] device 1 is retired: its rank failed to start 3 times in a row"
+        " (exit codes 1, 1, 1; expected it to prove its device and say hello); 1 of 2"
+        " device(s) left. HINT: see" in text
+    ), text
+    assert "nvidia-smi" in text
+    fail_starts(pool, 1)
+    assert pool.ranks[1].reaped  # no fresh rank for a retired device
+    assert pool.ended is None  # device 0 is left
+
+
+def test_a_hello_resets_the_count(pool: Pool) -> None:
+    pool.ranks[0].proc.code = None  # type: ignore[attr-defined]
+    fail_starts(pool, DEVICE_START_FAILURES - 1)
+    pool.start_failures.pop(1)  # what a hello does (Pool._accept)
+    fail_starts(pool, DEVICE_START_FAILURES - 1)
+    assert pool.retired == {}
+
+
+def test_trials_that_no_longer_fit_are_refused_naming_the_sizes(pool: Pool) -> None:
+    pool.ranks[0].proc.code = None  # type: ignore[attr-defined]
+    ask(pool, 0, "1", 2)  # waits: device 1's rank is not up
+    ask(pool, 1, "2", 1)
+    fail_starts(pool, DEVICE_START_FAILURES)
+    refused = [r for r in told(pool, 0) if "refused" in r]
+    assert len(refused) == 1, told(pool, 0)
+    assert refused[0]["refused"].startswith(
+        "trial 1 needs 2 device(s), but 1 of the pool's 2 are left (device 1: its rank"
+        " failed to start 3 times in a row, exit codes 1, 1, 1); expected 2 <= 1. HINT:"
+    ), refused
+    assert "ranks_per_trial ask for at most 1" in refused[0]["refused"]
+    assert told(pool, 1) == []  # a trial of 1 still fits: it waits for device 0
+    assert "o2" in pool.orders
+    ask(pool, 1, "3", 2)  # asked after the retirement: refused at once
+    assert "trial 3 needs 2 device(s)" in told(pool, 1)[-1]["refused"]
+
+
+def test_with_no_device_left_the_launch_ends_with_exit_1(pool: Pool) -> None:
+    ask(pool, 0, "1", 1)
+    fail_starts(pool, DEVICE_START_FAILURES)  # both devices' ranks fail each time
+    assert sorted(pool.retired) == [0, 1]
+    assert (
+        "trial 1 needs 1 device(s), but 0 of the pool's 2 are left"
+        in (told(pool, 0)[-1]["refused"])
+    )
+    assert pool.ended is not None
+    assert pool.ended.startswith(
+        "[neps_bcast launch] no device of the pool is left (device 0: its rank failed to"
+        " start 3 times in a row, exit codes 1, 1, 1; device 1: its rank failed to start 3"
+        " times in a row, exit codes 1, 1, 1): no trial can run, so the launch ends. HINT:"
+    ), pool.ended
+    sigterms = {pid for pid, sig in pool.killed_pids if sig == 15}  # type: ignore[attr-defined]
+    assert sigterms == {a.proc.pid for a in pool.agents.values()}
+    assert pool._exit_status() == 1
+
+
+def test_an_agents_environment_hides_every_gpu_and_a_ranks_does_not(tmp_path: Path) -> None:
+    plan = PoolPlan(2, ("3", "5"), tmp_path / "script.py", (), tmp_path / "logs")
+    p = Pool(plan, Settings(), io.StringIO())
+    assert p._environment("agent", 0)["CUDA_VISIBLE_DEVICES"] == ""
+    assert p._environment("rank", 1)["CUDA_VISIBLE_DEVICES"] == "3,5"
+
+
+def test_a_result_is_moved_to_the_cpu_keeping_its_shape() -> None:
+    Pair = namedtuple("Pair", "a b")
+    t = torch.ones(2, requires_grad=True)
+    moved = on_cpu({"loss": 1.5, "metrics": {"val": t}, "seq": [t, (t, "x")], "pair": Pair(t, 2)})
+    assert moved["loss"] == 1.5
+    assert moved["metrics"]["val"].device.type == "cpu"
+    assert not moved["metrics"]["val"].requires_grad  # detached: no graph pickled
+    assert isinstance(moved["seq"][1], tuple)
+    assert moved["seq"][1][1] == "x"
+    assert isinstance(moved["pair"], Pair)
+    assert moved["pair"].b == 2
