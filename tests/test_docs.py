@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -31,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -610,3 +612,190 @@ def test_how_a_trial_ends_is_generated_from_the_sweeps_table() -> None:
         "docs/failures.md's 'How a trial ends' differs from tests/sweep/table.py's ROWS:"
         " run `make docs` and commit the result"
     )
+
+
+# -- the README's quickstart runs as written -----------------------------------------------
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+QUICKSTART_ROOT = "results/quickstart"
+"""The ``root_directory`` the quickstart passes, relative to where it runs."""
+
+
+def readme_python_blocks() -> list[Block]:
+    return [b for b in code_blocks(README) if b.language == "python"]
+
+
+def test_the_readme_quickstart_is_taken_verbatim_from_its_file() -> None:
+    """The README shows a part of examples/quickstart.py, which it links: every line of
+    the block, in order and contiguous, is in the file (so the names it uses, ``Model``,
+    ``data``, ``Space``, are the file's, defined there)."""
+    assert f"]({QUICKSTART.relative_to(ROOT)})" in README.read_text()
+    blocks = readme_python_blocks()
+    assert len(blocks) == 1, "README.md has one python block: the quickstart"
+    shown = "\n".join(blocks[0].lines)
+    assert shown in QUICKSTART.read_text(), (
+        "README.md's quickstart differs from examples/quickstart.py: copy the file's part"
+        " into the README (or change both)"
+    )
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """``python examples/quickstart.py`` as the README says, in a fresh folder: one
+    Lightning ddp launch of 2 CPU ranks, 4 trials (harness.run: every process of it is
+    found by its marker)."""
+    from harness import python, run
+
+    tmp = tmp_path_factory.mktemp("quickstart")
+    return tmp, run(python(QUICKSTART), tmp, name="quickstart", timeout=300.0)
+
+
+def test_the_quickstart_runs_as_written_and_leaves_nothing(quickstart: tuple[Path, Any]) -> None:
+    _, result = quickstart
+    assert (result.returncode, result.left_alive) == (0, []), result.tail()
+
+
+def test_the_quickstart_search_is_complete_in_neps_and_in_the_status(
+    quickstart: tuple[Path, Any],
+) -> None:
+    from harness import states
+
+    tmp, _ = quickstart
+    root = tmp / QUICKSTART_ROOT
+    recorded = states(root)
+    assert len(recorded) == 4 and set(recorded.values()) == {"success"}, recorded
+    shown = subprocess.run(
+        [*program("neps-bcast", "neps_bcast"), "status", str(root), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    status = json.loads(shown.stdout)
+    assert {t["trial_id"]: t["state"] for t in status["trials"]} == recorded
+    assert status["best"]["state"] == "success"
+    assert (root / "summary" / "full.csv").is_file()  # where the README says results are
+
+
+# -- every guarantee of the README names the tests that prove it ----------------------------
+GUARANTEES: dict[str, tuple[str, ...]] = {
+    "All ranks evaluate the same trial with the same arguments, in the leader's order.": (
+        "tests/test_e2e_lightning.py::TestEveryRankEvaluatesTheLeadersTrials::test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments[2_ranks]",
+        "tests/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments[2_ranks]",
+    ),
+    "On a follower, neps_bcast never calls `neps.run` and never reads or creates anything under the NePS root; only your own code may (a checkpoint in `pipeline_directory` to resume from, which then needs a filesystem every rank sees).": (
+        "tests/test_e2e_lightning.py::TestEveryRankEvaluatesTheLeadersTrials::test_followers_never_touched_neps_or_its_root[2_ranks]",
+        "tests/test_e2e_lightning.py::TestEveryRankEvaluatesTheLeadersTrials::test_the_leader_touched_neps_and_its_root[2_ranks]",
+        "tests/test_e2e_external.py::TestTwoNodesFollowersNeedNoNepsRoot::test_followers_never_touched_neps_or_its_root",
+        "tests/test_e2e_requeue.py::test_a_stopped_trial_goes_back_to_pending_and_resumes_from_its_checkpoint[sigterm_handler_installed_before_run]",
+    ),
+    "An exception on any rank inside `session()` raises `TrialFailedError` on every rank within about a second, and NePS records the trial as crashed with every failing rank's traceback.": (
+        "tests/test_e2e_failures.py::TestErrorsFailTheTrialOnEveryRankAndTheSearchGoesOn::test_every_ranks_session_raised_naming_the_failing_rank[follower_in_fit]",
+        "tests/test_e2e_failures.py::TestErrorsFailTheTrialOnEveryRankAndTheSearchGoesOn::test_every_ranks_session_raised_within_the_bound_of_its_fault",
+        "tests/test_e2e_failures.py::TestErrorsFailTheTrialOnEveryRankAndTheSearchGoesOn::test_a_followers_error_is_recorded_with_its_traceback",
+        "tests/test_e2e_failures.py::TestErrorsFailTheTrialOnEveryRankAndTheSearchGoesOn::test_the_same_error_on_every_rank_is_recorded_once_listing_the_ranks",
+    ),
+    "With NePS's default `ignore_errors=False`, the leader's `neps.run` then raises (`WorkerRaiseError`, exit code 1) after the trial is recorded, and its followers exit 0; with `ignore_errors=True` the search goes on.": (
+        "tests/test_e2e_failures.py::TestNepsDefaultStopsTheSearchAfterRecordingTheTrial::test_neps_recorded_trial_1_a_success_and_trial_2_crashed",
+        "tests/test_e2e_failures.py::TestNepsDefaultStopsTheSearchAfterRecordingTheTrial::test_the_leader_exited_with_1_raising_neps_error",
+        "tests/test_e2e_failures.py::TestNepsDefaultStopsTheSearchAfterRecordingTheTrial::test_the_follower_exited_with_0_because_its_leader_said_so",
+        "tests/test_e2e_failures.py::TestErrorsFailTheTrialOnEveryRankAndTheSearchGoesOn::test_a_trial_without_a_fault_is_a_success[8]",
+    ),
+    "A lost rank, SIGTERM (preemption, exit 143), a requeue-and-exit handler or a killed leader does not lose the trial: it goes back to `pending` (up to `NEPS_BCAST_MAX_RETRIES` times) and the next run or requeued job evaluates it.": (
+        "tests/test_e2e_recovery.py::TestAKilledFollowerIsRetriedUpToTheLimitThenCrashed::test_after_the_first_kill_the_trial_is_pending",
+        "tests/test_e2e_recovery.py::TestSigtermToTheWholeLaunchPutsTheTrialBack::test_the_interrupted_trial_is_pending[python]",
+        "tests/test_e2e_requeue.py::test_a_stopped_trial_goes_back_to_pending_and_resumes_from_its_checkpoint[usr1_handler_that_exits]",
+        "tests/test_e2e_recovery.py::TestTheLeaderKilledTheOrphanIsEvaluatedByTheRerun::test_the_rerun_ends_with_four_successes[python]",
+    ),
+    "When the leader's `neps.run` returns, every process of the launch exits 0 and none is left running.": (
+        "tests/test_e2e_lightning.py::TestEveryRankEvaluatesTheLeadersTrials::test_every_process_that_started_exited_with_0[2_ranks]",
+        "tests/test_e2e_lightning.py::TestEveryRankEvaluatesTheLeadersTrials::test_no_process_of_the_launch_is_left[2_ranks]",
+        "tests/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_process_that_started_exited_with_0[2_ranks]",
+        "tests/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_no_process_of_the_launch_is_left[2_ranks]",
+    ),
+    "In a pool, a lost process costs only its own trial: it goes back to `pending` and runs again on fresh ranks while the other trials go on.": (
+        "tests/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_the_killed_trial_went_back_to_pending_and_ran_again",
+        "tests/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_no_other_trial_was_affected",
+    ),
+    "Nothing outside the job can make a rank run code: every value a rank acts on is HMAC-authenticated ([docs/security.md](docs/security.md)).": (
+        "tests/test_e2e_attacker.py::TestTorchrunWithoutASecret::test_a_rank_refused_what_it_wrote_naming_the_key",
+        "tests/test_e2e_attacker.py::TestLightningWithTheSameSecret::test_no_pickle_of_the_outsider_ran[full attack]",
+    ),
+    "`neps-bcast status` imports neither torch nor NePS and takes no lock, so it never holds up the search.": (
+        "tests/test_search_status.py::test_status_imports_neither_torch_nor_neps",
+        "tests/test_search_status.py::test_the_import_check_sees_torch_when_it_is_imported",
+        "tests/test_search_status.py::test_status_answers_while_another_process_holds_every_lock_of_the_root",
+    ),
+}
+
+
+def readme_guarantees() -> list[str]:
+    """The bullets of README.md's "## Guarantees" section (one line each)."""
+    lines = README.read_text().splitlines()
+    start = lines.index("## Guarantees")
+    section = []
+    for line in lines[start + 1 :]:
+        if line.startswith("## "):
+            break
+        if line.startswith("- "):
+            section.append(line[2:])
+    return section
+
+
+def collected_ids(files: set[str]) -> set[str]:
+    """The test ids pytest collects from ``files`` (``--collect-only``: nothing runs)."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *sorted(files),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=HELP_TIMEOUT_S,
+        check=False,
+    )
+    ids = {line.strip() for line in done.stdout.splitlines() if "::" in line}
+    assert ids, f"pytest collected nothing from {sorted(files)}:\n{done.stdout}\n{done.stderr}"
+    return ids
+
+
+def missing_tests(table: dict[str, tuple[str, ...]]) -> list[str]:
+    named = {test for tests in table.values() for test in tests}
+    known = collected_ids({test.split("::")[0] for test in named})
+    return sorted(named - known)
+
+
+def test_every_readme_guarantee_names_its_tests() -> None:
+    shown = readme_guarantees()
+    assert shown, "README.md has no guarantees"
+    unproven = [g for g in shown if not GUARANTEES.get(g)]
+    assert not unproven, (
+        "README.md states guarantees with no test named for them in GUARANTEES"
+        " (tests/test_docs.py): " + "; ".join(unproven)
+    )
+    stale = [g for g in GUARANTEES if g not in shown]
+    assert not stale, f"GUARANTEES names sentences the README no longer says: {stale}"
+
+
+def test_every_test_a_guarantee_names_exists() -> None:
+    missing = missing_tests(GUARANTEES)
+    assert not missing, "tests named in GUARANTEES that pytest does not collect: " + ", ".join(
+        missing
+    )
+
+
+def test_a_test_that_does_not_exist_is_found_missing() -> None:
+    """Positive control for the check above."""
+    table = {
+        "x": (
+            "tests/test_search_status.py::test_status_imports_neither_torch_nor_neps",
+            "tests/test_search_status.py::test_that_was_renamed_away",
+        )
+    }
+    assert missing_tests(table) == ["tests/test_search_status.py::test_that_was_renamed_away"]

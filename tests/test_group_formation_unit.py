@@ -22,8 +22,9 @@ import neps_bcast
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import torch as tc
 from neps_bcast.errors import MessageError, ProtocolError
+from neps_bcast.launcher import trial_placement
 from neps_bcast.recovery.lease import left_by_earlier_attempts
-from neps_bcast.recovery.lease_file import LEASE_FILE
+from neps_bcast.recovery.lease_file import LEASE_FILE, LOCK_FILE
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer
@@ -257,7 +258,8 @@ def test_neps_trial_files_are_the_ones_neps_writes() -> None:
 def test_resumed_from_is_the_directory_only_on_a_retry_that_left_files(tmp_path: Path) -> None:
     trial_dir = tmp_path / "config_2"
     trial_dir.mkdir()
-    for name in [*neps_compat.trial_files(), LEASE_FILE, f"{LEASE_FILE}.host.1.tmp"]:
+    ours = [LEASE_FILE, f"{LEASE_FILE}.host.1.tmp", LOCK_FILE, trial_placement.PLACEMENT_FILE]
+    for name in [*neps_compat.trial_files(), *ours]:
         (trial_dir / name).write_text("")
     assert left_by_earlier_attempts(trial_dir, attempt=2) is None  # only NePS's and ours
     (trial_dir / "checkpoint.pt").write_bytes(b"state")

@@ -1,4 +1,4 @@
-"""``python -m neps_bcast launch ...``: the same command as the ``neps-bcast`` script."""
+"""``python -m neps_bcast launch ...`` / ``status ROOT``: the same commands as the ``neps-bcast`` script."""
 
 from __future__ import annotations
 

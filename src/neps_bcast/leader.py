@@ -121,7 +121,7 @@ def evaluate_on_group(
             # in the look lost that result) and holds this one evaluating.
             _recover_orphans(rt, leases)
             if info.pipeline_directory is not None:
-                attempt = leases.take(info.trial_id, info.pipeline_directory)
+                attempt = leases.take(info.trial_id, info.pipeline_directory, ranks=rt.world_size)
         outcome = _hand_and_evaluate(rt, fn, kwargs, leases, info, attempt, run_trial)
     except FollowerLostError as exc:
         _abort(rt, info, root_directory, leases, exc, go_on=run_trial is not None)

@@ -141,6 +141,8 @@ class Remote:
                 "size": ranks,
                 "port": store.port,
                 "payload": wire.seal(self.key, "trial", order, encode(message, tag=rt.tag)),
+                # Where the launcher writes the trial's placement (``neps-bcast status``).
+                "directory": str(message.pipeline_directory or ""),
             }
         )
         faults.point("ask")  # the launcher places the trial now

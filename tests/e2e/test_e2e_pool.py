@@ -289,9 +289,19 @@ class TestARankKilledInATrialPutsOnlyThatTrialBack:
     def test_a_fresh_rank_took_the_killed_ones_device(
         self, launch: tuple[Result, Path, str, int]
     ) -> None:
-        result, _, _, pid = launch
+        result, _, victim, pid = launch
         assert "a fresh one takes its device" in result.rank_logs["launcher"]
-        later = [e for e in result.events if e["event"] == "trained" and e["pid"] == pid]
+        # The killed process may have trained other trials before the victim's (a warm rank).
+        killed_in = max(
+            e["t"]
+            for e in result.events
+            if e["event"] == "started" and e["pid"] == pid and e["trial"] == victim
+        )
+        later = [
+            e
+            for e in result.events
+            if e["event"] == "trained" and e["pid"] == pid and e["t"] > killed_in
+        ]
         assert later == [], later
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from neps_bcast.compat import neps_files
+
 INJECTED_ARGUMENTS = ("pipeline_directory", "previous_pipeline_directory", "pipeline_id")
 """Arguments NePS passes only when the function's signature names them
 (``neps/state/pipeline_eval.py``, ``evaluate_trial``)."""
@@ -70,7 +72,7 @@ def trial_files() -> frozenset[str]:
 ROOT_DIRECTORY_DEFAULT = "neps_results"
 """``neps.run``'s default ``root_directory``."""
 
-STATE_FILES = ("optimizer_info.yaml", "pipeline_space.pkl")
+STATE_FILES = neps_files.STATE_FILES
 """Files ``NePSState.create_or_load`` writes into a fresh root (``neps/state/neps_state.py``):
 a root holding none of them but existing makes NePS fail ("Failed to create or load")."""
 
@@ -294,7 +296,7 @@ def locked_trials(root_directory: Path) -> Iterator[TrialBook | None]:
         yield TrialBook(state)
 
 
-OPTIMIZER_STATE_FILE = "optimizer_state.pkl"
+OPTIMIZER_STATE_FILE = neps_files.OPTIMIZER_STATE_FILE
 OPTIMIZER_LOCK_FILE = ".optimizer.lock"
 """NePS's optimizer state in a root, and the lock file NePS takes (``_optimizer_lock``)
 whenever it reads or rewrites it (``neps/state/neps_state.py``)."""

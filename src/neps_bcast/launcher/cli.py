@@ -1,8 +1,12 @@
-"""``neps-bcast launch``: the command line (also ``python -m neps_bcast launch``).
+"""``neps-bcast``: the command line (also ``python -m neps_bcast``).
 
-Parses the options, checks them into a plan (``plan.py``: every refusal happens here,
-before any process starts), then hands the plan to ``groups.run``. Errors print as
-``[neps_bcast launch] what happened. HINT: what to do.`` and exit with status 2.
+``neps-bcast launch``: parses the options, checks them into a plan (``plan.py``: every
+refusal happens here, before any process starts), then hands the plan to ``groups.run``
+(K groups of N ranks) or, with ``--pool D``, to ``pool.run`` (right-sized trials on D
+devices). ``neps-bcast status ROOT``: what the search on a NePS root is doing
+(``search_status.py``; reads files only, imports neither NePS nor torch). Errors print
+as ``[neps_bcast launch] what happened. HINT: what to do.`` (``[neps_bcast status]``) and
+exit with status 2.
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.launcher import groups, plan, pool
+from neps_bcast.errors import LaunchError, SettingsError, format_message
+from neps_bcast.launcher import groups, plan, pool, search_status
 
 USAGE_EXAMPLE = "neps-bcast launch --groups 4 --nproc-per-group 2 train.py --trials 40"
 
@@ -87,6 +92,26 @@ def parser() -> argparse.ArgumentParser:
     )
     launch.add_argument("script", type=Path, help="the Python script every rank runs")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
+    status = commands.add_parser(
+        "status",
+        help="what the search on a NePS root is doing (trials, ranks, leases, best, budget)",
+        description=(
+            "One line per trial of the search on ROOT (state, attempt, host, pid, ranks,"
+            " devices in a pool, heartbeat and whether the lease is stale, elapsed time,"
+            " objective), then counts by state, the best trial and the budget used. Reads"
+            " the root's files only, without locks: safe while the search runs, from any"
+            " node that sees the root. Example: neps-bcast status results"
+        ),
+    )
+    status.add_argument("root", type=Path, help="the NePS root_directory of the search")
+    status.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="show it again every SECONDS until Ctrl-C",
+    )
+    status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
     return top
 
 
@@ -111,6 +136,8 @@ def cuda_device_count() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.command == "status":
+        return show_status(args)
     try:
         request = request_from(args)
         if args.status_interval <= 0 or args.stop_timeout <= 0:
@@ -167,6 +194,36 @@ def pool_plan(args: argparse.Namespace, request: plan.LaunchRequest) -> pool.Poo
         script_args=request.script_args,
         log_dir=request.log_dir / "pool",
     )
+
+
+def show_status(args: argparse.Namespace) -> int:
+    """``neps-bcast status``: 0, or 2 with the error on stderr (a wrong root, a bad
+    setting); with ``--watch``, until Ctrl-C (then 0)."""
+    try:
+        if args.watch is not None and not args.watch > 0:
+            raise LaunchError(
+                format_message(
+                    search_status.TAG,
+                    f"--watch {args.watch}: expected a positive number of seconds.",
+                    "pass e.g. --watch 5.",
+                )
+            )
+        root = search_status.check_root(args.root)
+        while True:
+            status = search_status.read_status(root)
+            text = status.to_json() if args.json else search_status.render(status)
+            if args.watch is not None and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+            if args.watch is None:
+                return 0
+            time.sleep(args.watch)  # the refresh period the user asked for
+    except (LaunchError, SettingsError) as exc:
+        sys.stderr.write(f"{exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 0
 
 
 def console_main() -> None:

@@ -39,7 +39,7 @@ from typing import IO, Any
 
 from neps_bcast.compat import procfs
 from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.launcher import status, wire
+from neps_bcast.launcher import status, trial_placement, wire
 from neps_bcast.launcher.groups import Settings, Signals, _clean_up, _die_with_parent
 from neps_bcast.launcher.placement import Placement
 from neps_bcast.launcher.plan import ENV_LAUNCH_ID, SLURM_TASK_VARIABLES, TAG
@@ -117,6 +117,9 @@ class Order:
     answered: bool = False
     clean: bool = True
     asked_at: float = 0.0
+    directory: str | None = None
+    """The trial's directory under the NePS root (the agent names it), where the
+    placement is written for ``neps-bcast status``."""
     first_lost: str | None = None
     """The first of its ranks that exited, and how (what the agent is told)."""
     lost_at: float | None = None
@@ -302,6 +305,7 @@ class Pool:
                 int(record["port"]),
                 str(record["payload"]),
                 asked_at=time.monotonic(),
+                directory=str(record["directory"]) if record.get("directory") else None,
             )
             try:
                 self.placement.ask(key, order.size, time.monotonic())
@@ -462,6 +466,25 @@ class Pool:
                 self._tell(
                     agent, {"op": "placed", "order": order.key, "devices": list(start.devices)}
                 )
+            self._write_placement(order)
+
+    def _write_placement(self, order: Order) -> None:
+        """``neps-bcast status`` shows which devices a trial runs on from this file."""
+        if order.directory is None:
+            return
+        gpus = self.plan.devices
+        placement = trial_placement.placed_now(
+            order.trial,
+            order.ranks,
+            tuple(gpus[d] for d in order.ranks) if gpus is not None else None,
+            self.plan.size,
+            tuple(m.proc.pid for m in order.members),
+            self.launch_id,
+        )
+        try:
+            trial_placement.write(Path(order.directory), placement)
+        except OSError as exc:
+            self.display.say(f"could not write trial {order.trial}'s placement: {exc}")
 
     def _step(self, now: float) -> bool:
         """One look at everything; False once every process has exited."""

@@ -53,7 +53,7 @@ from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import Settings
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease_file import (
-    LEASE_FILE,
+    OURS_PREFIX,
     Attempt,
     Lease,
     Owner,
@@ -93,8 +93,9 @@ class Leases:
         logger.log(level, message, *args)
 
     # -- this leader's own trial ------------------------------------------------
-    def take(self, trial_id: str, trial_dir: Path) -> int:
+    def take(self, trial_id: str, trial_dir: Path, ranks: int | None = None) -> int:
         """This leader evaluates ``trial_id`` now: record it and keep it renewed.
+        ``ranks``: its group's size where known (``neps-bcast status`` shows it).
 
         Returns the attempt this is: 1, or n + 1 after n interruptions put it back.
 
@@ -109,7 +110,7 @@ class Leases:
         now = time.time()
         previous = read_lease(trial_dir)
         attempts = previous.attempts if previous is not None else ()
-        lease = Lease(trial_id, self.me, now, now, attempts)
+        lease = Lease(trial_id, self.me, now, now, attempts, ranks)
         with self._lock:
             self._held = self._unwritten = (trial_dir, lease)
             self._written.clear()
@@ -325,7 +326,7 @@ def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:
     ours = neps_compat.trial_files()
     try:
         for entry in trial_dir.iterdir():
-            if entry.name not in ours and not entry.name.startswith(LEASE_FILE):
+            if entry.name not in ours and not entry.name.startswith(OURS_PREFIX):
                 return trial_dir
     except OSError as exc:
         logger.log(logging.WARNING, "could not look into %s: %s", trial_dir, exc)

@@ -1,0 +1,385 @@
+"""``neps-bcast status ROOT``: what a search on a NePS root is doing, read from its files.
+
+One line per trial (state, attempt, where it runs, heartbeat, elapsed time, objective),
+then the counts by state, the best trial so far, the budget used and, for a pool, each
+device and the trial on it. Not to be confused with ``status.py``, the status lines a
+running ``neps-bcast launch`` prints about its own groups.
+
+Why it can run anywhere, at any time: it reads NePS's files (``compat/neps_files.py``),
+the trials' leases (``neps_bcast.lease_record``) and a pool's placements
+(``trial_placement.py``) without importing NePS or torch and without taking any lock, so
+it never holds up a search (a lock would make every worker wait while it reads a
+thousand trials) and works from an account or node that can only read the root. Leases
+and placements are replaced atomically; NePS's metadata is re-read when torn.
+
+Whether a lease is stale is the leaders' own rule (``lease_record.why_dead``): on the
+machine the leader runs on, its process is gone; elsewhere, no heartbeat for
+``NEPS_BCAST_LEASE_GRACE_S``. A stale lease is what the next leader to look for orphans
+puts back to pending.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neps_bcast.compat import neps_files
+from neps_bcast.config import Settings
+from neps_bcast.errors import LaunchError, format_message
+from neps_bcast.launcher import trial_placement
+from neps_bcast.lease_record import Lease, Owner, parse_lease, why_dead
+
+TAG = "neps_bcast status"
+DEFAULT_ROOT = "neps_results"
+"""``neps.run``'s default ``root_directory``."""
+
+
+@dataclass(frozen=True)
+class TrialStatus:
+    trial_id: str
+    state: str
+    attempt: int
+    """1, or n + 1 after n interruptions (a pending trial: the attempt it runs next)."""
+    host: str | None = None
+    pid: int | None = None
+    """The leader's (a pool: the agent's) process, from the lease."""
+    ranks: int | None = None
+    devices: tuple[int, ...] | None = None
+    """A pool: the devices it runs on."""
+    rank_pids: tuple[int, ...] | None = None
+    """A pool: the processes of its ranks, in group-rank order (``pid`` is its agent's)."""
+    heartbeat_age_s: float | None = None
+    stale: str | None = None
+    """Why its lease is stale (its leader is gone), None while it may be alive."""
+    elapsed_s: float | None = None
+    objective: float | list[float] | None = None
+    cost: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    host: str
+    launch_id: str
+    device: int
+    gpu: str | None
+    trial_id: str | None
+
+
+@dataclass(frozen=True)
+class Budget:
+    evaluations: int
+    """Trials NePS holds a result for (NePS's own count toward its budget)."""
+    evaluations_limit: float | None
+    cost: float
+    cost_limit: float | None
+
+
+@dataclass(frozen=True)
+class SearchStatus:
+    root: str
+    taken_at: float
+    trials: list[TrialStatus]
+    counts: dict[str, int]
+    best: TrialStatus | None
+    best_config: dict[str, Any] | None
+    budget: Budget
+    devices: list[DeviceStatus] = field(default_factory=list)
+    files_read: int = 0
+    """Files this status opened (a test bounds it: one scan, a few files per trial)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, default=str)
+
+
+def check_root(root: Path) -> Path:
+    """``root`` if it is a NePS root; else a ``LaunchError`` naming the path and the fix."""
+    shown = root if root.is_absolute() else Path.cwd() / root
+    if not root.exists():
+        raise LaunchError(
+            format_message(
+                TAG,
+                f"{shown} does not exist; expected the root_directory your script passes to"
+                f" neps_bcast.run (NePS's default: {DEFAULT_ROOT}).",
+                "pass that directory (a relative path is taken from the current directory,"
+                " on any node that sees the shared filesystem), e.g."
+                " neps-bcast status results.",
+            )
+        )
+    if not root.is_dir():
+        raise LaunchError(
+            format_message(
+                TAG,
+                f"{shown} is a file; expected a NePS root directory.",
+                f"pass the directory the search writes to, e.g. {shown.parent}.",
+            )
+        )
+    if neps_files.looks_like_root(root):
+        return root
+    guess = _nearby_root(root)
+    raise LaunchError(
+        format_message(
+            TAG,
+            f"{shown} is not a NePS root: it holds none of"
+            f" {', '.join(neps_files.STATE_FILES)}, {neps_files.OPTIMIZER_STATE_FILE} or"
+            f" {neps_files.CONFIGS_DIR}/.",
+            f"did you mean {guess}? neps-bcast status {guess}."
+            if guess is not None
+            else "pass the root_directory your script passes to neps_bcast.run; a search"
+            " that has not started yet has no root: start it first.",
+        )
+    )
+
+
+def _nearby_root(path: Path) -> Path | None:
+    """A NePS root the user may have meant: an ancestor (they gave ``ROOT/configs`` or a
+    trial's directory) or a child (they gave the folder holding the root)."""
+    for parent in path.resolve().parents:
+        if neps_files.looks_like_root(parent):
+            return parent
+    try:
+        children = sorted(c for c in path.iterdir() if c.is_dir())
+    except OSError:
+        return None
+    return next((c for c in children if neps_files.looks_like_root(c)), None)
+
+
+_NUMBERS = re.compile(r"(\d+)")
+
+
+def _natural(trial_id: str) -> tuple[Any, ...]:
+    """``2`` before ``10``, ``3_rung_0`` before ``3_rung_1``."""
+    return tuple(int(p) if p.isdigit() else p for p in _NUMBERS.split(trial_id))
+
+
+def read_status(
+    root: Path, settings: Settings | None = None, now: float | None = None
+) -> SearchStatus:
+    """The search on ``root`` now (``check_root`` first)."""
+    try:
+        return _read_status(root, settings, now)
+    except OSError as exc:
+        raise LaunchError(
+            format_message(
+                TAG,
+                f"could not read the search on {root}: {type(exc).__name__}: {exc}.",
+                "run it as a user who can read the root and every trial's directory in it;"
+                " a root that another process is deleting cannot be shown.",
+            )
+        ) from exc
+
+
+def _read_status(root: Path, settings: Settings | None, now: float | None) -> SearchStatus:
+    settings = settings or Settings.from_env()
+    now = time.time() if now is None else now
+    me = Owner.me()
+    fmt = neps_files.serialize_format()
+    files_read = 0
+    trials: list[TrialStatus] = []
+    placements: list[trial_placement.TrialPlacement] = []
+    for directory in neps_files.trial_dirs(root):
+        files = neps_files.read_trial(directory, fmt)
+        files_read += files.files_read + 1
+        try:
+            lease = parse_lease(directory)
+        except (OSError, ValueError, KeyError, TypeError):
+            lease = None
+        placement = None
+        if files.state == "evaluating":
+            files_read += 1
+            placement = trial_placement.read(directory)
+            if placement is not None and lease is not None and placement.placed < lease.started:
+                placement = None  # from an earlier attempt
+            if placement is not None:
+                placements.append(placement)
+        trial = _trial_status(files, lease, placement, me, now, settings.lease_grace_s)
+        trials.append(trial)
+    trials.sort(key=lambda t: _natural(t.trial_id))
+    by_id = {t.trial_id: t for t in trials}
+    scored = [t for t in trials if t.state == "success" and isinstance(t.objective, float)]
+    best = min(scored, key=lambda t: t.objective, default=None)  # type: ignore[arg-type, return-value]
+    best_config = None
+    if best is not None:
+        best_dir = root / neps_files.CONFIGS_DIR / f"{neps_files.TRIAL_DIR_PREFIX}{best.trial_id}"
+        best_config = neps_files.read_config(best_dir, fmt)
+        files_read += 1
+    limits = neps_files.budget_limits(root) or {}
+    files_read += 1
+    evaluated = [t for t in trials if t.state in neps_files.FINAL_STATES]
+    budget = Budget(
+        evaluations=len(evaluated),
+        evaluations_limit=limits.get("total_evaluations_to_spend"),
+        cost=sum(t.cost for t in evaluated if t.cost is not None),
+        cost_limit=limits.get("total_cost_to_spend"),
+    )
+    counts = Counter(t.state for t in trials)
+    return SearchStatus(
+        root=str(root.resolve()),
+        taken_at=now,
+        trials=trials,
+        counts={s: counts[s] for s in (*neps_files.STATES, "unreadable") if counts[s]},
+        best=best,
+        best_config=best_config,
+        budget=budget,
+        devices=_devices(placements, by_id),
+        files_read=files_read,
+    )
+
+
+def _trial_status(
+    files: neps_files.TrialFiles,
+    lease: Lease | None,
+    placement: trial_placement.TrialPlacement | None,
+    me: Owner,
+    now: float,
+    grace_s: float,
+) -> TrialStatus:
+    interruptions = len(lease.attempts) if lease is not None else 0
+    running = files.state == "evaluating"
+    owner = lease.owner if lease is not None and running else None
+    if files.time_started is None:
+        elapsed = None
+    elif running:
+        elapsed = now - files.time_started
+    else:
+        elapsed = (files.time_end or now) - files.time_started
+    stale = (
+        why_dead(lease, files.time_started, me, now, grace_s, files.evaluating_worker_id)
+        if running
+        else None
+    )
+    return TrialStatus(
+        trial_id=files.trial_id,
+        state=files.state,
+        attempt=interruptions + 1,
+        host=owner.host if owner is not None else None,
+        pid=owner.pid if owner is not None else None,
+        ranks=(
+            len(placement.devices)
+            if placement is not None
+            else (lease.ranks if lease is not None and running else None)
+        ),
+        devices=placement.devices if placement is not None else None,
+        rank_pids=placement.rank_pids if placement is not None else None,
+        heartbeat_age_s=now - lease.heartbeat if owner is not None and lease is not None else None,
+        stale=stale,
+        elapsed_s=elapsed,
+        objective=files.objective,
+        cost=files.cost,
+        error=files.error,
+    )
+
+
+def _devices(
+    placements: list[trial_placement.TrialPlacement], by_id: dict[str, TrialStatus]
+) -> list[DeviceStatus]:
+    """Each pool's devices (every pool with a running trial), and the trial on each."""
+    pools: dict[tuple[str, str], list[trial_placement.TrialPlacement]] = {}
+    for p in placements:
+        pools.setdefault((p.host, p.launch_id), []).append(p)
+    found = []
+    for (host, launch_id), placed in sorted(pools.items()):
+        size = max(p.pool_size for p in placed)
+        on: dict[int, tuple[str, str | None]] = {}
+        for p in placed:
+            for i, device in enumerate(p.devices):
+                on[device] = (p.trial_id, p.gpus[i] if p.gpus is not None else None)
+        for device in range(size):
+            trial_id, gpu = on.get(device, (None, None))
+            found.append(DeviceStatus(host, launch_id, device, gpu, trial_id))
+    return found
+
+
+# -- text ----------------------------------------------------------------------------------
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+def _objective(value: float | list[float] | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return "[" + ", ".join(f"{v:.6g}" for v in value) + "]"
+    return f"{value:.6g}"
+
+
+def _where(t: TrialStatus) -> str:
+    if t.host is None:
+        return "-"
+    ranks = f", {t.ranks} rank{'s' if t.ranks != 1 else ''}" if t.ranks is not None else ""
+    devices = f", devices {','.join(map(str, t.devices))}" if t.devices is not None else ""
+    if t.rank_pids:
+        devices += f" (rank pids {','.join(map(str, t.rank_pids))})"
+    return f"{t.host} pid {t.pid}{ranks}{devices}"
+
+
+def _heartbeat(t: TrialStatus) -> str:
+    if t.state != "evaluating":
+        return "-"
+    if t.stale is not None:
+        return f"STALE: {t.stale}"
+    if t.heartbeat_age_s is None:
+        return "no lease yet"
+    return f"{_age(t.heartbeat_age_s)} ago"
+
+
+def render(status: SearchStatus) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(status.taken_at))
+    head = ("trial", "state", "attempt", "where", "heartbeat", "elapsed", "objective")
+    rows = [
+        (
+            t.trial_id,
+            t.state,
+            str(t.attempt),
+            _where(t),
+            _heartbeat(t),
+            _age(t.elapsed_s),
+            _objective(t.objective),
+        )
+        for t in status.trials
+    ]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head) - 1)]
+
+    def line(row: tuple[str, ...]) -> str:
+        return "  ".join([*(c.ljust(w) for c, w in zip(row, widths, strict=False)), row[-1]])
+
+    out = [f"{status.root}  ({when})", line(head), *map(line, rows)]
+    if not rows:
+        out.append("(no trials yet)")
+    out.append(
+        "trials: "
+        + (", ".join(f"{n} {s}" for s, n in status.counts.items()) or "none")
+        + f" ({len(status.trials)} in all)"
+    )
+    if status.best is not None:
+        config = (
+            " " + ", ".join(f"{k}={v}" for k, v in status.best_config.items())
+            if status.best_config
+            else ""
+        )
+        out.append(
+            f"best: trial {status.best.trial_id}, objective {_objective(status.best.objective)};{config}"
+        )
+    else:
+        out.append("best: none yet (no successful trial)")
+    b = status.budget
+    limit = f" of {b.evaluations_limit:g}" if b.evaluations_limit is not None else ""
+    cost = f"; cost {b.cost:g}" + (f" of {b.cost_limit:g}" if b.cost_limit is not None else "")
+    out.append(f"budget: {b.evaluations}{limit} evaluations used{cost if b.cost else ''}")
+    for d in status.devices:
+        gpu = f" (GPU {d.gpu})" if d.gpu is not None else ""
+        trial = f"trial {d.trial_id}" if d.trial_id is not None else "free"
+        out.append(f"pool {d.host} device {d.device}{gpu}: {trial}")
+    return "\n".join(out)

@@ -1,0 +1,208 @@
+"""What a lease on a running trial says, read without any lock, torch or NePS.
+
+Why a module of its own, below ``recovery/``: the leaders that write leases
+(``recovery/lease.py``, ``lease_file.py``) and ``neps-bcast status`` that only reads them
+(from any node, while the search runs: ``launcher/search_status.py``) must agree on one
+format and on one rule for when an owner is gone, and the launch command may not import
+a rank's machinery (the layering contract in pyproject.toml). Nothing here locks or
+writes: a lease file is replaced atomically (``lease_file.write_lease``), so a reader
+sees the old lease or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from neps_bcast.compat import procfs
+
+OURS_PREFIX = ".neps_bcast_"
+"""Every file neps_bcast keeps in a trial's directory starts with it (hidden: ours, not
+the user's): the lease, its lock, a pool's placement."""
+
+LEASE_FILE = ".neps_bcast_lease.json"
+"""The lease's name inside the trial's directory (hidden: it is ours, not the user's)."""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """One process on one machine, for as long as that machine is up."""
+
+    host: str
+    boot_id: str
+    pid_namespace: str
+    pid: int
+    start_ticks: int
+
+    @classmethod
+    def me(cls) -> Owner:
+        pid = os.getpid()
+        return cls(
+            host=socket.gethostname(),
+            boot_id=_boot_id(),
+            pid_namespace=procfs.pid_namespace(),
+            pid=pid,
+            start_ticks=procfs.start_ticks(pid) or 0,
+        )
+
+    def shares_machine_with(self, other: Owner) -> bool:
+        """True when ``other``'s pid can be looked up here (same host, boot, namespace)."""
+        return bool(self.boot_id) and (self.host, self.boot_id, self.pid_namespace) == (
+            other.host,
+            other.boot_id,
+            other.pid_namespace,
+        )
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+    def worker_id(self) -> str:
+        """The worker id this leader gives NePS (``neps.run(worker_id=...)``): NePS
+        stores it in every trial it sets evaluating, so a leader killed before it wrote
+        the trial's lease is still proven dead at once on its machine."""
+        return (
+            f"{WORKER_PREFIX}{self.pid}-{self.start_ticks}"
+            f"@{self.host}/{self.boot_id}/{self.pid_namespace}"
+        )
+
+    @classmethod
+    def from_worker_id(cls, worker_id: str | None) -> Owner | None:
+        """The owner a ``worker_id`` of ours names; None for any other worker id."""
+        match = _WORKER_ID.fullmatch(worker_id or "")
+        if match is None:
+            return None
+        pid, ticks, host, boot_id, pid_namespace = match.groups()
+        return cls(host, boot_id, pid_namespace, int(pid), int(ticks))
+
+
+WORKER_PREFIX = "neps_bcast-"
+_WORKER_ID = re.compile(re.escape(WORKER_PREFIX) + r"(\d+)-(\d+)(?:\.\d+)?@([^/]*)/([^/]*)/(.*)")
+
+
+def next_worker_id(worker_id: str, entry: int) -> str:
+    """The worker id for this process's ``entry``-th ``neps.run`` (a pool's agent enters
+    it again after a lost trial, and NePS refuses a worker id twice): ours gets
+    ``.<entry>`` after its start time, still naming this process; another's a suffix."""
+    if _WORKER_ID.fullmatch(worker_id):
+        head, _, tail = worker_id.partition("@")
+        return f"{head.split('.')[0]}.{entry}@{tail}"
+    return f"{worker_id}-{entry}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One evaluation of the trial that an infrastructure failure interrupted."""
+
+    owner: Owner
+    started: float
+    ended: float
+    how: str
+
+    def describe(self, number: int) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return (
+            f"attempt {number} ({self.owner.describe()}, started {when},"
+            f" {self.ended - self.started:.1f} s): {self.how}"
+        )
+
+
+@dataclass(frozen=True)
+class Lease:
+    trial_id: str
+    owner: Owner | None
+    """None: nobody evaluates it (it was put back to pending)."""
+    started: float
+    heartbeat: float
+    attempts: tuple[Attempt, ...] = field(default=())
+    ranks: int | None = None
+    """Ranks in the owner's group (None: not known yet, e.g. under Lightning ddp before
+    the first ``fit`` formed the group)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Lease:
+        raw: dict[str, Any] = json.loads(text)
+        owner = raw.get("owner")
+        return cls(
+            trial_id=str(raw["trial_id"]),
+            owner=Owner(**owner) if owner else None,
+            started=float(raw["started"]),
+            heartbeat=float(raw["heartbeat"]),
+            attempts=tuple(
+                Attempt(Owner(**a["owner"]), a["started"], a["ended"], a["how"])
+                for a in raw.get("attempts", ())
+            ),
+            ranks=int(raw["ranks"]) if raw.get("ranks") is not None else None,
+        )
+
+    def history(self) -> str:
+        return "; ".join(a.describe(n) for n, a in enumerate(self.attempts, 1))
+
+
+def parse_lease(trial_dir: Path) -> Lease | None:
+    """The trial's lease, or None if it has none; raises ``OSError`` or ``ValueError``
+    (``KeyError``, ``TypeError``) for one that cannot be read."""
+    try:
+        return Lease.from_json((trial_dir / LEASE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def why_dead(
+    lease: Lease | None,
+    time_started: float | None,
+    me: Owner,
+    now: float,
+    grace_s: float,
+    worker_id: str | None = None,
+) -> str | None:
+    """Why the trial's owner is provably gone, or None while it may be alive.
+
+    ``worker_id``: the worker NePS holds the trial evaluating for; a leader of ours on
+    this machine that died before it wrote the lease is named there."""
+    owner = lease.owner if lease is not None else None
+    if lease is None or owner is None:
+        worker = Owner.from_worker_id(worker_id)
+        if worker is not None and me.shares_machine_with(worker):
+            gone = _gone(worker)
+            return None if gone is None else f"{gone}, before it leased the trial"
+        if time_started is not None and now - time_started > grace_s:
+            return (
+                f"evaluating for {now - time_started:.0f} s without a lease (grace"
+                f" {grace_s:.0f} s): its worker died before it wrote one"
+            )
+        return None
+    if me.shares_machine_with(owner):
+        return _gone(owner)
+    age = now - lease.heartbeat
+    if age > grace_s:
+        return (
+            f"no heartbeat from its leader ({owner.describe()}) for {age:.0f} s"
+            f" (grace {grace_s:.0f} s)"
+        )
+    return None
+
+
+def _gone(owner: Owner) -> str | None:
+    """On this machine: why ``owner`` is gone, or None while it runs."""
+    ticks = procfs.start_ticks(owner.pid)
+    if ticks is None or not procfs.is_alive(owner.pid):
+        return f"its leader ({owner.describe()}) is gone"
+    if ticks != owner.start_ticks:
+        return f"its leader ({owner.describe()}) is gone; that pid is another process now"
+    return None
