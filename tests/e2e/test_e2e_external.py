@@ -29,6 +29,7 @@ from harness import (
     assert_nothing_left,
     assert_the_leader_touched_neps,
     assert_trials_freed_before_finalization,
+    closed_by_torchrun,
     exits_by_rank,
     identical_on_every_rank,
     neps_trials,
@@ -464,8 +465,14 @@ class TestTrainerDevicesInconsistentWithTheWorldSize(LaunchChecks):
         assert "WorkerRaiseError" in leader["error"]
 
     def test_the_follower_exited_with_0_when_its_leaders_run_ended(self, launch: Result) -> None:
+        """Its run ended with 0 (its own record); the kernel heard 0, or torchrun's
+        closing SIGTERM when the leader's exit 1 came first and the follower was still
+        finalizing (torchrun's rule once a worker fails; a race of the two exits)."""
         follower = launch.exits[1]
-        assert follower["ok"] and follower["code"] == 0, follower
+        assert follower["ok"] and follower["predicted"] == 0, follower
+        assert follower["code"] == 0 or (
+            follower["code"] == -15 and closed_by_torchrun(launch, follower["pid"])
+        ), follower
 
     def test_neps_recorded_the_one_trial_crashed(self, launch: Result) -> None:
         recorded = neps_trials(launch.root)
