@@ -169,3 +169,31 @@ def test_a_result_is_moved_to_the_cpu_keeping_its_shape() -> None:
     assert moved["seq"][1][1] == "x"
     assert isinstance(moved["pair"], Pair)
     assert moved["pair"].b == 2
+
+
+def test_a_fresh_rank_on_a_lost_trials_device_is_not_taken_for_the_trials_rank_0(
+    pool: Pool,
+) -> None:
+    """Trial 2 lost its rank 0 (device 0); a fresh rank took device 0 and is idle; then
+    the trial's rank 1 is lost too. The launcher reads the trial's own rank 0 for its last
+    words, never the fresh one (which has none, and whose connection must stay open)."""
+    p = pool
+    old0, old1 = p.ranks[0], p.ranks[1]
+    for rank in (old0, old1):
+        rank.proc.code = None  # type: ignore[attr-defined]
+        p.placement.set_available(rank.index, True)
+    ask(p, 0, "2", 2)
+    p._place(0.0)
+    order = p.orders["o2"]
+    assert order.members == [old0, old1]
+    old0.proc.code = -9  # type: ignore[attr-defined]
+    p._rank_of_a_trial_lost(order, old0, -9, 0.0)
+    fresh = Member("rank", 0, FakeProc(None), Path("x.log"))  # type: ignore[arg-type]
+    fresh.conn = FakeConn()  # type: ignore[assignment]
+    fresh.conn.feed = lambda: pytest.fail("the fresh rank was read for the trial")  # type: ignore[union-attr]
+    p.ranks[0] = fresh
+    old1.proc.code = -9  # type: ignore[attr-defined]
+    p._rank_of_a_trial_lost(order, old1, -9, 1.0)
+    assert fresh.conn is not None and not fresh.retiring
+    lost = [r for r in told(p, 0) if r.get("op") == "outcome"]
+    assert len(lost) == 1 and "rank 0 of trial 2" in lost[0]["lost"], lost

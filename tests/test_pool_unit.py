@@ -287,3 +287,20 @@ def test_a_trials_rendezvous_store_listens_on_loopback_only() -> None:
     assert listening == {"127.0.0.1"}, listening
     store.set("neps_bcast/probe", "1")
     assert store.get("neps_bcast/probe") == b"1"
+
+
+def test_reading_a_member_with_nothing_to_say_returns_at_once() -> None:
+    """The launcher reads a trial's rank 0 for its last words without select's word: a
+    member that has nothing to say gives no records and stays connected, whatever
+    timeout its socket kept from the opening (the pool sweep once had a fresh rank's
+    connection closed so, after the launcher's loop stalled for that timeout)."""
+    launcher_side, member_side = socket.socketpair()
+    launcher_side.settimeout(2.0)  # as ``wire.accept``'s bounded receive leaves it
+    conn = wire.Conn(launcher_side)
+    try:
+        assert conn.feed() == []
+        member_side.sendall(b'{"op": "free", "order": "x", "clean": true}\n')
+        assert conn.receive(5) == {"op": "free", "order": "x", "clean": True}
+    finally:
+        conn.close()
+        member_side.close()

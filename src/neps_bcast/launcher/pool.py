@@ -317,7 +317,9 @@ class Pool:
                 self._refuse(order)
         elif member.role == "rank" and op == "outcome":
             ended = self.orders.get(str(record["order"]))
-            if ended is None or member.index != ended.ranks[0] or ended.answered:
+            if ended is None or not ended.members or member is not ended.members[0]:
+                return  # only the trial's own rank 0 answers for it
+            if ended.answered:
                 return
             ended.answered = True
             ended.clean = ended.clean and bool(record.get("clean"))
@@ -607,10 +609,12 @@ class Pool:
                 f"rank {order.ranks.index(rank.index)} of trial {order.trial} (device"
                 f" {rank.index}, pid {rank.proc.pid}) {_exit_text(code)}"
             )
-        head = self.ranks.get(order.ranks[0]) if order.ranks else None
+        # The trial's own rank 0, not whoever holds its device now: a fresh rank there
+        # is idle, and has no last words about this trial.
+        head = order.members[0] if order.members else None
         if head is not None and head is not rank and head.conn is not None:
             self._read(head)
-        if not order.answered and order.ranks and order.ranks[0] == rank.index:
+        if not order.answered and head is rank:
             self._lost(order, order.first_lost)
         order.free.add(rank.index)
         if order.lost_at is None:

@@ -142,6 +142,10 @@ class Conn:
     def feed(self) -> list[dict[str, Any]]:
         """The launcher's side: read what is there now (the socket is readable) and
         return every whole record; ``WireError`` when the other side closed."""
+        # Never blocks, whatever timeout the socket holds from its opening: a member read
+        # without select's word (a trial's rank 0 asked for its last words) may have
+        # nothing to say, and the launcher's loop must not wait for it.
+        self.sock.setblocking(False)
         try:
             chunk = self.sock.recv(1 << 20)
         except BlockingIOError:
