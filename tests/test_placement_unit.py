@@ -429,3 +429,21 @@ def test_invariants_over_a_seeded_workload(
     assert sum(starts_of.values()) >= requests // 2  # the workload did run
     assert pool.running == {}
     assert pool.free == tuple(range(devices))
+
+
+def test_a_trial_that_did_not_succeed_feeds_no_duration_to_the_drain() -> None:
+    """A crashed or lost trial's short run is not a duration of its size: counted, the
+    mean of size 2 would fall from 10 to 5.5 and the head would drain after 11 s, not 20."""
+    pool = Placement(2)
+    pool.ask("ok", 2, 0.0)
+    assert started(pool, 0.0) == {"ok": (0, 1)}
+    pool.release("ok", 10.0)
+    pool.ask("lost", 2, 10.0)
+    assert started(pool, 10.0) == {"lost": (0, 1)}
+    pool.release("lost", 11.0, measured=False)
+    assert pool._mean_duration(2) == 10.0
+    pool.ask("a", 1, 11.0)
+    assert started(pool, 11.0) == {"a": (0,)}
+    pool.ask("head", 2, 12.0)
+    assert not pool.draining(24.0)  # waited 12: more than 2 x 5.5, not more than 2 x 10
+    assert pool.draining(32.5)

@@ -197,3 +197,4 @@ def test_a_fresh_rank_on_a_lost_trials_device_is_not_taken_for_the_trials_rank_0
     assert fresh.conn is not None and not fresh.retiring
     lost = [r for r in told(p, 0) if r.get("op") == "outcome"]
     assert len(lost) == 1 and "rank 0 of trial 2" in lost[0]["lost"], lost
+    assert p.placement._mean_duration(2) is None  # a lost trial's run is no duration

@@ -109,8 +109,11 @@ class Placement:
             starts.append(Start(request.key, devices))
         return starts
 
-    def release(self, key: str, now: float) -> None:
-        """A running trial ended: free its devices and record its duration for its size.
+    def release(self, key: str, now: float, *, measured: bool = True) -> None:
+        """A running trial ended: free its devices and record its duration for its size,
+        where ``measured`` (it ran to its end and succeeded): a crashed or lost trial's
+        short run would pull the means the drain is measured against down, as a
+        cancelled one would.
 
         A key that is not running is refused: releasing it would record a duration for
         nothing (or for a trial still waiting), a bug in the caller."""
@@ -126,6 +129,8 @@ class Placement:
             )
         del self._running[key]
         self._busy.difference_update(run.devices)
+        if not measured:
+            return
         self._total[run.size] = self._total.get(run.size, 0.0) + duration
         self._count[run.size] = self._count.get(run.size, 0) + 1
 

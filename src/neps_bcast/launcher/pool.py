@@ -124,6 +124,8 @@ class Order:
     """The first of its ranks that exited, and how (what the agent is told)."""
     lost_at: float | None = None
     """When one of its ranks died (its other ranks then have ``LOST_PEER_GRACE_S``)."""
+    succeeded: bool = False
+    """Its rank 0 sent a result: only such a trial's duration feeds the drain's means."""
 
 
 class Pool:
@@ -322,6 +324,7 @@ class Pool:
             if ended.answered:
                 return
             ended.answered = True
+            ended.succeeded = "result" in record
             ended.clean = ended.clean and bool(record.get("clean"))
             agent = self.agents.get(ended.agent)
             if agent is not None:
@@ -422,7 +425,7 @@ class Pool:
     def _maybe_release(self, order: Order) -> None:
         if not order.free.issuperset(order.ranks):
             return
-        self.placement.release(order.key, time.monotonic())
+        self.placement.release(order.key, time.monotonic(), measured=order.succeeded)
         self.orders.pop(order.key, None)
         self.done += 1
         if not order.answered:
