@@ -304,3 +304,21 @@ def test_reading_a_member_with_nothing_to_say_returns_at_once() -> None:
     finally:
         conn.close()
         member_side.close()
+
+
+def test_a_record_longer_than_the_sockets_buffer_goes_whole_after_a_read() -> None:
+    """The launcher reads members without blocking (``feed``) and relays a trial's
+    result to its agent: a result of megabytes must not fail on a full buffer."""
+    launcher_side, agent_side = socket.socketpair()
+    launcher, agent = wire.Conn(launcher_side), wire.Conn(agent_side)
+    try:
+        assert launcher.feed() == []  # what the launcher's loop does to every member
+        got: dict[str, Any] = {}
+        reader = threading.Thread(target=lambda: got.update(agent.receive(30)))
+        reader.start()
+        launcher.send({"op": "outcome", "result": "x" * 5_000_000})
+        reader.join(30)
+        assert got.get("op") == "outcome" and len(got["result"]) == 5_000_000
+    finally:
+        launcher.close()
+        agent.close()

@@ -53,6 +53,8 @@ def take_key(environ: MutableMapping[str, str]) -> str:
 MAX_LINE = 256 * 1024 * 1024
 """Largest line read: a trial's sealed arguments or result, base64."""
 _HELLO_TIMEOUT_S = 30.0
+SEND_TIMEOUT_S = 60.0
+"""A record's send waits this long at most for the other side to read it."""
 
 
 class WireError(Exception):
@@ -111,6 +113,11 @@ class Conn:
         return self.sock.fileno()
 
     def send(self, record: dict[str, Any]) -> None:
+        """The record, whole (bounded by ``SEND_TIMEOUT_S``: a record longer than the
+        socket's buffer, a trial's result relayed to its agent, waits for the reader)."""
+        # ``feed`` leaves the socket non-blocking; a send must not fail half-way on a
+        # full buffer (which would cut the stream and lose the connection).
+        self.sock.settimeout(SEND_TIMEOUT_S)
         try:
             self.sock.sendall(json.dumps(record).encode() + b"\n")
         except OSError as exc:
@@ -218,39 +225,88 @@ def connect(path: str, key: str, role: str, index: int) -> Conn:
     return conn
 
 
+class Opening:
+    """The launcher's side of one connection's opening, a record at a time: it never
+    waits, so a process that connects and says nothing (or a slow one) cannot hold up
+    the launcher's loop, which drives every opening from its ``select`` and drops one
+    past ``deadline``. ``WireError`` at any step: the connection is refused.
+
+    The steps: the kernel's uid of the connected process must be this user's
+    (``SO_PEERCRED``); its hello; the launcher's challenge (its proof of the key and a
+    nonce); the process's proof; then ``finish`` with the launcher's verdict."""
+
+    def __init__(self, conn: Conn, key: str, now: float, timeout: float = _HELLO_TIMEOUT_S):
+        self.conn = conn
+        self.key = key
+        self.deadline = now + timeout
+        self.pid, uid = peer_credentials(conn.sock)
+        if uid != os.geteuid():
+            raise WireError(f"a process of uid {uid} connected: refused")
+        self.hello: dict[str, Any] | None = None
+        self._mine = ""
+
+    def fileno(self) -> int:
+        return self.conn.fileno()
+
+    def feed(self) -> dict[str, Any] | None:
+        """Read what is there now; the proven hello (its ``pid`` the kernel's) once the
+        process proved the key, else None (not yet)."""
+        for record in self.conn.feed():
+            proven = self.step(record)
+            if proven is not None:
+                return proven
+        return None
+
+    def step(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        if self.hello is None:
+            nonce = record.get("nonce")
+            role, index = record.get("role"), record.get("index")
+            if (
+                record.get("op") != "hello"
+                or not isinstance(nonce, str)
+                or role not in ("agent", "rank")
+                or not isinstance(index, int)
+                or isinstance(index, bool)
+            ):
+                raise WireError("not a pool member's hello")
+            self.hello = record
+            self._mine = secrets.token_hex(16)
+            self.conn.send(
+                {
+                    "op": "challenge",
+                    "nonce": self._mine,
+                    "proof": _proof(self.key, "launcher", nonce),
+                }
+            )
+            return None
+        role, index = str(self.hello["role"]), str(self.hello["index"])
+        expected = _proof(self.key, "member", self._mine, role, index)
+        if record.get("op") != "proof" or not hmac.compare_digest(
+            str(record.get("proof")), expected
+        ):
+            self.conn.send({"op": "refused", "why": "the pool's key was not proven"})
+            raise WireError("a process that did not prove the pool's key: refused")
+        return {**self.hello, "pid": self.pid}
+
+    def finish(self, hello: dict[str, Any], why: str | None) -> None:
+        """The launcher's verdict on a proven process: welcome (``why`` None), or refused
+        with the reason, which the process hears at its ``connect``."""
+        if why is not None:
+            self.conn.send({"op": "refused", "why": why})
+            raise WireError(f"{hello['role']} {hello['index']} (pid {hello['pid']}) refused: {why}")
+        self.conn.send({"op": "welcome"})
+
+
 def accept(
     conn: Conn, key: str, admit: Callable[[dict[str, Any]], str | None] = lambda hello: None
 ) -> dict[str, Any]:
-    """The launcher's side of the opening (blocking, bounded): the hello of a process
-    that proved the key and is this user; ``WireError`` otherwise. The hello's ``pid``
-    is the kernel's (``SO_PEERCRED``), whatever the process wrote. ``admit(hello)``, last,
-    names why the launcher will not take this process (None: welcome): the process then
-    hears the reason at its ``connect`` instead of a welcome and a closed socket."""
-    pid, uid = peer_credentials(conn.sock)
-    if uid != os.geteuid():
-        raise WireError(f"a process of uid {uid} connected: refused")
-    hello = conn.receive(_HELLO_TIMEOUT_S)
-    nonce = hello.get("nonce")
-    role, index = hello.get("role"), hello.get("index")
-    if (
-        hello.get("op") != "hello"
-        or not isinstance(nonce, str)
-        or role not in ("agent", "rank")
-        or not isinstance(index, int)
-        or isinstance(index, bool)
-    ):
-        raise WireError("not a pool member's hello")
-    mine = secrets.token_hex(16)
-    conn.send({"op": "challenge", "nonce": mine, "proof": _proof(key, "launcher", nonce)})
-    answer = conn.receive(_HELLO_TIMEOUT_S)
-    expected = _proof(key, "member", mine, str(role), str(index))
-    if answer.get("op") != "proof" or not hmac.compare_digest(str(answer.get("proof")), expected):
-        conn.send({"op": "refused", "why": "the pool's key was not proven"})
-        raise WireError("a process that did not prove the pool's key: refused")
-    hello = {**hello, "pid": pid}
-    why = admit(hello)
-    if why is not None:
-        conn.send({"op": "refused", "why": why})
-        raise WireError(f"{role} {index} (pid {pid}) refused: {why}")
-    conn.send({"op": "welcome"})
-    return hello
+    """``Opening`` waited through (blocking, each record bounded by the hello timeout):
+    the hello of a process that proved the key and is this user; ``WireError``
+    otherwise. ``admit(hello)``, last, names why the launcher will not take this process
+    (None: welcome)."""
+    opening = Opening(conn, key, 0.0)
+    proven = None
+    while proven is None:
+        proven = opening.step(conn.receive(_HELLO_TIMEOUT_S))
+    opening.finish(proven, admit(proven))
+    return proven
