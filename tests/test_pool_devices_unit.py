@@ -198,3 +198,144 @@ def test_a_fresh_rank_on_a_lost_trials_device_is_not_taken_for_the_trials_rank_0
     lost = [r for r in told(p, 0) if r.get("op") == "outcome"]
     assert len(lost) == 1 and "rank 0 of trial 2" in lost[0]["lost"], lost
     assert p.placement._mean_duration(2) is None  # a lost trial's run is no duration
+
+
+def _placed_on_both(p: Pool, agent: int, trial: str) -> list[Member]:
+    ranks = [p.ranks[0], p.ranks[1]]
+    for rank in ranks:
+        rank.proc.code = None  # type: ignore[attr-defined]
+        p.placement.set_available(rank.index, True)
+    ask(p, agent, trial, 2)
+    p._place(0.0)
+    return ranks
+
+
+def test_an_agent_that_failed_is_not_replaced_and_decides_the_exit_status(pool: Pool) -> None:
+    """A failure with an exit code (the rule refused up front, a script error, NePS's
+    WorkerRaiseError) would recur in a fresh agent: none is started."""
+    failed = pool.agents[0]
+    failed.proc.code = 1  # type: ignore[attr-defined]
+    pool._reap_agents()
+    assert pool.agents[0] is failed
+    assert pool.agent_restarts == {}
+    assert pool.failed_agents == [(0, 1)]
+    text = pool.display.stream.getvalue()  # type: ignore[attr-defined]
+    assert "agent 0 failed (exit 1); the others go on." in text, text
+    assert "pending" not in text
+    assert pool._exit_status() == 1
+
+
+def test_an_agent_killed_by_a_signal_is_replaced(pool: Pool) -> None:
+    killed = pool.agents[1]
+    killed.proc.code = -9  # type: ignore[attr-defined]
+    pool._reap_agents()
+    assert pool.agents[1] is not killed
+    assert pool.agent_restarts == {1: 1}
+    assert pool.failed_agents == []
+    assert "agent 1 was killed by SIGKILL: a fresh one takes its place" in (
+        pool.display.stream.getvalue()  # type: ignore[attr-defined]
+    )
+
+
+@pytest.mark.parametrize("code", [-9, 1])
+def test_a_lost_agents_running_trial_has_its_ranks_stopped_at_once(pool: Pool, code: int) -> None:
+    """Nobody can take the trial's outcome and it runs again in the same directory: its
+    ranks get SIGKILL at once, not after the lost-peer grace."""
+    ranks = _placed_on_both(pool, 0, "2")
+    pool.agents[0].proc.code = code  # type: ignore[attr-defined]
+    pool._reap_agents()
+    assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
+    assert "trial 2 lost its agent (its agent 0 " in pool.display.stream.getvalue()  # type: ignore[attr-defined]
+
+
+def test_an_agent_that_ended_after_its_outcome_leaves_its_ranks_to_finish(pool: Pool) -> None:
+    ranks = _placed_on_both(pool, 0, "2")
+    ranks[0].conn = FakeConn()  # type: ignore[assignment]
+    pool._handle(ranks[0], {"op": "outcome", "order": "o2", "result": "", "clean": True})
+    pool.agents[0].proc.code = 0  # type: ignore[attr-defined]
+    pool._reap_agents()
+    assert pool.killed_pids == []  # type: ignore[attr-defined]
+
+
+def test_a_stopping_launch_leaves_a_lost_agents_ranks_to_their_sigterm(pool: Pool) -> None:
+    _placed_on_both(pool, 0, "2")
+    pool.stop_deadline = 100.0
+    pool.agents[0].proc.code = 143  # type: ignore[attr-defined]
+    pool._reap_agents()
+    assert pool.killed_pids == []  # type: ignore[attr-defined]
+
+
+def overwrite_answers(p: Pool, agent: int) -> list[bool]:
+    return [r["yes"] for r in told(p, agent) if r.get("op") == "overwrite"]
+
+
+def test_the_root_is_overwritten_once_per_launch(pool: Pool) -> None:
+    """``overwrite_root_directory=True``: the first agent to ask wipes the root; the
+    others wait until it says the root is ready, then go on without wiping, and so does
+    an agent started later in the agent's place."""
+    pool._handle(pool.agents[0], {"op": "may_overwrite"})
+    pool._handle(pool.agents[1], {"op": "may_overwrite"})
+    assert overwrite_answers(pool, 0) == [True]
+    assert overwrite_answers(pool, 1) == []  # waits: agent 0 holds the root
+    pool._handle(pool.agents[0], {"op": "root_ready"})
+    assert overwrite_answers(pool, 1) == [False]
+    pool.agents[1].proc.code = -9  # type: ignore[attr-defined]
+    pool._reap_agents()
+    fresh = pool.agents[1]
+    fresh.conn = FakeConn()  # type: ignore[assignment]
+    pool._handle(fresh, {"op": "may_overwrite"})
+    assert overwrite_answers(pool, 1) == [False]
+
+
+def test_an_agent_lost_before_the_root_was_ready_passes_the_overwrite_on(pool: Pool) -> None:
+    pool._handle(pool.agents[0], {"op": "may_overwrite"})
+    pool._handle(pool.agents[1], {"op": "may_overwrite"})
+    pool.agents[0].proc.code = -9  # type: ignore[attr-defined]
+    pool._reap_agents()
+    assert overwrite_answers(pool, 1) == [True]
+
+
+def test_a_silent_connection_holds_up_neither_the_loop_nor_a_members_opening(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """A process that connects to the pool's socket and says nothing: the launcher's
+    loop goes on (the opening is driven by its select, not waited on), a member that
+    connects after it is welcomed, and the silent one is dropped at its deadline."""
+    import os
+    import socket
+    import threading
+
+    from neps_bcast.launcher import wire
+
+    pool.server.bind(pool.path)
+    pool.server.listen(4)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(pool.path)
+    accepting = threading.Thread(target=pool._accept, daemon=True)
+    accepting.start()
+    accepting.join(10)
+    assert not accepting.is_alive(), "the launcher waited on a silent connection"
+    pool.agents[1].conn = None  # only real connections in the loop's select
+    agent = pool.agents[0]
+    agent.conn, agent.said_hello = None, False
+    agent.proc.pid = os.getpid()  # type: ignore[misc]  # this test's process is agent 0
+    joined: dict[str, Any] = {}
+    member = threading.Thread(
+        target=lambda: joined.update(conn=wire.connect(pool.path, pool.key, "agent", 0)),
+        daemon=True,
+    )
+    member.start()
+    for _ in range(200):
+        if agent.said_hello:
+            break
+        pool._wait(0.05)
+    member.join(10)
+    assert agent.said_hello and "conn" in joined
+    assert len(pool.openings) == 1  # the silent one, still within its deadline
+    pool._expire_openings(pool.openings[0].deadline)
+    assert pool.openings == []
+    assert "did not prove the pool's key in time" in pool.display.stream.getvalue()  # type: ignore[attr-defined]
+    assert silent.recv(1) == b""  # closed by the launcher
+    joined["conn"].close()
+    silent.close()
+    pool.server.close()

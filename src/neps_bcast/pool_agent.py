@@ -113,8 +113,28 @@ class Remote:
         self.ranks_per_trial = ranks_per_trial
         self.stores: dict[str, Any] = {}
         """Each running trial's rendezvous store, served until its ranks are free."""
+        self.overwriting = False
+        """This agent wipes the root (``may_overwrite``) and has not said it is ready."""
+
+    def may_overwrite(self) -> bool:
+        """``overwrite_root_directory=True``: whether this agent is the one that wipes
+        the root (``pool.Overwrite``); blocks while another does. Asked before the
+        root lock: the one told yes holds it until NePS hands it its first trial."""
+        self.conn.send({"op": "may_overwrite"})
+        while True:
+            record = self.conn.receive()
+            if record.get("op") == "overwrite":
+                self.overwriting = bool(record.get("yes"))
+                return self.overwriting
+
+    def root_ready(self) -> None:
+        """The root is wiped and NePS's state is on it: agents waiting may go on."""
+        if self.overwriting:
+            self.overwriting = False
+            self.conn.send({"op": "root_ready"})
 
     def __call__(self, rt: Runtime, message: TrialMessage) -> Outcome:
+        self.root_ready()  # NePS handed out a trial: its state is on disk
         try:
             return self._run(rt, message)
         except wire.WireError as exc:
@@ -208,8 +228,11 @@ def run_agent(
     rt = Runtime(launch, settings, Signer(new_secret()))
     check_up_front(ranks_per_trial, pipeline_space, pool_size(environ), rt.tag)
     remote = Remote(conn, key, pool_size(environ), ranks_per_trial)
+    if kwargs.get("overwrite_root_directory"):
+        kwargs = {**kwargs, "overwrite_root_directory": remote.may_overwrite()}
     with rt.activated():
         try:
             leader.lead(rt, fn, pipeline_space, kwargs, run_trial=remote)
+            remote.root_ready()  # a search that ended without a trial
         finally:
             remote.close()

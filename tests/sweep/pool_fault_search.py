@@ -69,6 +69,11 @@ def main() -> None:
         action="store_true",
         help="no init_process_group in the function: neps_bcast.session() forms the group",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="overwrite_root_directory=True: the launch wipes the root once, not each agent",
+    )
     parser.parse_args(namespace=ARGS)
     role = os.environ.get("NEPS_BCAST_POOL_ROLE", "")
     probe.record("pool_member", role=role, index=os.environ.get("NEPS_BCAST_POOL_INDEX"))
@@ -79,6 +84,7 @@ def main() -> None:
         evaluate_pipeline,
         pipeline_space=Space(),
         root_directory=ARGS.root,
+        overwrite_root_directory=ARGS.overwrite,
         total_evaluations_to_spend=ARGS.trials,
         optimizer="random_search",
         ignore_errors=True,

@@ -190,7 +190,8 @@ ROWS = (
         "the same launch, on fresh ranks (a killed agent: the fresh agent the launcher"
         " starts in its place proves the trial's lease dead at its start)",
         "the lost process its signal's; the trial's other ranks 0, 1 where they saw it"
-        " lost, or -9 where they still waited for it 10 s later; the launch 0",
+        " lost, or -9 where they still waited for it 10 s later or their agent was lost"
+        " (SIGKILLed at once); the launch 0",
     ),
     Row(
         "pool_stopped",
@@ -669,8 +670,9 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
                 S({1}),
                 S({0}),
                 S({1}),
-                "the agent exits 1, the launch's status; a fresh agent takes its"
-                " place, proves the trial's lease dead and evaluates it again",
+                "the agent exits 1, the launch's status, and is not replaced (its"
+                " failure would recur); the other agent's look for orphans proves the"
+                " trial's lease dead and evaluates it again",
             )
         if fault.kind == "raise":
             return PoolExpect(
@@ -705,17 +707,17 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
                 S({0, -9}),
                 S({0}),
                 "a fresh agent takes the killed one's place and puts its trial"
-                " back; the trial's ranks, if it was placed, wait for the dead"
-                " agent's store: SIGKILLed 10 s later",
+                " back; the trial's ranks, if it was placed, are SIGKILLed at once",
             )
         return PoolExpect(
             "pool_lost",
             S({OK}),
             True,
             S({-9}),
+            S({0, -9}) if point.owner == "rank" else S({0}),
             S({0}),
-            S({0}),
-            "a fresh agent takes the killed one's place and puts its trial back",
+            "a fresh agent takes the killed one's place and puts its trial back; the"
+            " trial's ranks, still in it, are SIGKILLed at once (0 where it had ended)",
         )
     # A fault on the trial's ranks.
     if fault.kind == "raise":

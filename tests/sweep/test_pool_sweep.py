@@ -73,7 +73,19 @@ class PoolChain:
         return None if self.stops else str(i + 2)
 
     def command(self) -> list[str]:
-        return [NEPS_BCAST, "launch", "--pool", "2", str(SCRIPT), "--trials", str(self.budget)]
+        # A chain that goes on asks NePS to overwrite the root: the launch wipes it once,
+        # never again for an agent started in a lost one's place (its trials would go).
+        once = [] if self.stops else ["--overwrite"]
+        return [
+            NEPS_BCAST,
+            "launch",
+            "--pool",
+            "2",
+            str(SCRIPT),
+            "--trials",
+            str(self.budget),
+            *once,
+        ]
 
 
 CHAINS = [

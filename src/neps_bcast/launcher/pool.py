@@ -48,12 +48,13 @@ ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
 """GPU pools: the ``CUDA_VISIBLE_DEVICES`` entries of the pool, in device order."""
 
 LOST_PEER_GRACE_S = 10.0
-"""How long the ranks of a trial that lost one of its processes (a rank, or its agent)
-have to leave it before the launcher SIGKILLs them. A peer lost in a collective is seen
-in milliseconds (gloo); one lost before it joined the trial's group is not: the others
-wait in the rendezvous (on the agent's store) for ``NEPS_BCAST_JOIN_TIMEOUT_S`` (300 s),
-holding their devices (found by the pool's fault sweep: SIGKILL to a rank at its order,
-to an agent once it asked)."""
+"""How long the ranks of a trial that lost one of its ranks have to leave it before the
+launcher SIGKILLs them. A peer lost in a collective is seen in milliseconds (gloo), and
+rank 0 then reports the trial with its reason; one lost before it joined the trial's
+group is not: the others wait in the rendezvous for ``NEPS_BCAST_JOIN_TIMEOUT_S``
+(300 s), holding their devices (found by the pool's fault sweep: SIGKILL to a rank at
+its order). A trial that lost its agent has no grace: its ranks are SIGKILLed at once
+(``Pool._stop_ranks_of``)."""
 
 DEVICE_START_FAILURES = 3
 """A device whose rank exits before it says hello (it proves its device first:
@@ -63,10 +64,12 @@ device is left the launch ends. Without it a broken device's rank was restarted 
 ever and the launch never ended."""
 
 AGENT_RESTARTS = 3
-"""Fresh agents started for one agent index that was killed (SIGKILL, the OOM killer)
-or failed (its NePS raised) while the search went on; past this, a lost agent is not
-replaced. A failed agent still decides the launch's exit status (its code); a killed
-one that was replaced does not."""
+"""Fresh agents started for one agent index that was killed by a signal (SIGKILL, the
+OOM killer) while the search went on; past this, a lost agent is not replaced. An agent
+that failed (exited with a code: the rule refused up front, a script error, NePS's
+``WorkerRaiseError``) is not replaced: its cause would recur in every fresh one. It
+decides the launch's exit status (its code), and its trial, if it left one evaluating,
+is put back by the other agents' look for orphans before their next trial."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,46 @@ class Order:
     """Its rank 0 sent a result: only such a trial's duration feeds the drain's means."""
 
 
+class Overwrite:
+    """``overwrite_root_directory=True`` in a pool: the root is wiped once per launch.
+
+    Every agent runs ``neps.run`` on the same root, and a replacement agent starts it
+    again: each wiping the root would lose the trials the others evaluated (seen: a
+    trial evaluated twice with two configs). An agent asked to overwrite asks here
+    first; the first asker is told yes and the others wait until it says the root is
+    ready (NePS handed it its first trial, or its search ended), then are told no. If it
+    is lost before that, the next one waiting is told yes."""
+
+    def __init__(self) -> None:
+        self.waiting: list[Member] = []
+        self.holder: Member | None = None
+        self.done = False
+
+    def ask(self, agent: Member) -> list[tuple[Member, bool]]:
+        self.waiting.append(agent)
+        return self._answers()
+
+    def ready(self) -> list[tuple[Member, bool]]:
+        self.done = True
+        return self._answers()
+
+    def gone(self, agent: Member) -> list[tuple[Member, bool]]:
+        if agent in self.waiting:
+            self.waiting.remove(agent)
+        if agent is self.holder:
+            self.holder = None
+        return self._answers()
+
+    def _answers(self) -> list[tuple[Member, bool]]:
+        if self.done:
+            told, self.waiting = self.waiting, []
+            return [(agent, False) for agent in told]
+        if self.holder is None and self.waiting:
+            self.holder = self.waiting.pop(0)
+            return [(self.holder, True)]
+        return []
+
+
 class Pool:
     """One pool launch: its processes, its placement and its relay."""
 
@@ -155,6 +198,9 @@ class Pool:
         """Retired devices, each with why."""
         self.ended: str | None = None
         """Why the launcher ended the launch itself (no device left)."""
+        self.overwrite = Overwrite()
+        self.openings: list[wire.Opening] = []
+        """Connections still proving the key: driven by the loop, never waited on."""
         self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
         self.path = str(self.folder / "pool.sock")
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -224,13 +270,15 @@ class Pool:
                 if left:
                     self.display.say(f"SIGKILLed {len(left)} process(es) left running: {left}.")
         finally:
+            for opening in self.openings:
+                opening.conn.close()
             self.server.close()
             shutil.rmtree(self.folder, ignore_errors=True)
         return self._exit_status()
 
     def _wait(self, seconds: float) -> None:
         conns = [m.conn for m in self._members() if m.conn is not None]
-        readable: list[Any] = [self.server, self.signals, *conns]
+        readable: list[Any] = [self.server, self.signals, *conns, *self.openings]
         if any(c.pending() for c in conns):
             seconds = 0.0
         try:
@@ -242,6 +290,8 @@ class Pool:
                 self._accept()
             elif item is self.signals:
                 self.signals.drain()
+            elif isinstance(item, wire.Opening):
+                self._open(item)
         for member in self._members():
             if member.conn is not None and (member.conn in ready or member.conn.pending()):
                 self._read(member)
@@ -253,19 +303,42 @@ class Pool:
         sock, _ = self.server.accept()
         conn = wire.Conn(sock)
         try:
-            hello = wire.accept(conn, self.key, self._admit)
-        except (wire.WireError, TimeoutError, OSError) as exc:
+            self.openings.append(wire.Opening(conn, self.key, time.monotonic()))
+        except (wire.WireError, OSError) as exc:
             self.display.say(f"refused a connection to the pool's socket: {exc}")
             conn.close()
+
+    def _open(self, opening: wire.Opening) -> None:
+        """One step of a connection's opening (it was readable): once it proved the key
+        and is admitted, it is the member's connection."""
+        try:
+            hello = opening.feed()
+            if hello is None:
+                return
+            opening.finish(hello, self._admit(hello))
+        except (wire.WireError, OSError) as exc:
+            self.display.say(f"refused a connection to the pool's socket: {exc}")
+            self.openings.remove(opening)
+            opening.conn.close()
             return
+        self.openings.remove(opening)
         role, index = hello["role"], hello["index"]
         member = (self.agents if role == "agent" else self.ranks)[index]
-        member.conn = conn
+        member.conn = opening.conn
         member.said_hello = True
         if role == "rank":
             self.start_failures.pop(index, None)
         if role == "rank" and self.stop_deadline is None:
             self.placement.set_available(index, True)
+
+    def _expire_openings(self, now: float) -> None:
+        for opening in [o for o in self.openings if now >= o.deadline]:
+            self.display.say(
+                f"refused a connection to the pool's socket: pid {opening.pid} did not prove"
+                " the pool's key in time"
+            )
+            self.openings.remove(opening)
+            opening.conn.close()
 
     def _admit(self, hello: dict[str, Any]) -> str | None:
         """Why the process that proved the key is not taken (None: it is): it must be
@@ -317,6 +390,10 @@ class Pool:
             self.orders[key] = order
             if order.size > self._devices_left():
                 self._refuse(order)
+        elif member.role == "agent" and op == "may_overwrite":
+            self._answer(self.overwrite.ask(member))
+        elif member.role == "agent" and op == "root_ready":
+            self._answer(self.overwrite.ready())
         elif member.role == "rank" and op == "outcome":
             ended = self.orders.get(str(record["order"]))
             if ended is None or not ended.members or member is not ended.members[0]:
@@ -337,6 +414,10 @@ class Pool:
             freed.clean = freed.clean and bool(record.get("clean"))
             freed.free.add(member.index)
             self._maybe_release(freed)
+
+    def _answer(self, answers: list[tuple[Member, bool]]) -> None:
+        for agent, yes in answers:
+            self._tell(agent, {"op": "overwrite", "yes": yes})
 
     def _devices_left(self) -> int:
         return self.plan.size - len(self.retired)
@@ -505,6 +586,7 @@ class Pool:
                 if member.proc.poll() is None:
                     procfs.kill(member.proc.pid)
             self.killed = True
+        self._expire_openings(now)
         self._reap_agents()
         self._reap_ranks(now)
         self._end_orphaned_ranks(now)
@@ -529,15 +611,15 @@ class Pool:
             if agent.conn is not None:
                 agent.conn.close()
                 agent.conn = None
+            self._answer(self.overwrite.gone(agent))
             for order in [o for o in self.orders.values() if o.agent == agent.index]:
                 if not order.ranks:  # still waiting: withdrawn
                     self.placement.cancel(order.key)
                     self.orders.pop(order.key, None)
-                elif order.lost_at is None:
-                    # Placed: its outcome has nobody to go to, and ranks not yet in its
-                    # group wait for the agent's store, gone with it.
-                    order.lost_at = time.monotonic()
-            replaced = code != 0 and self._replace_agent(agent, code)
+                elif not order.answered and self.stop_deadline is None:
+                    # Placed, no outcome yet (a stop's SIGTERM settles it instead).
+                    self._stop_ranks_of(order, f"its agent {agent.index} {_exit_text(code)}")
+            replaced = code < 0 and self._replace_agent(agent, code)
             if code > 0 or (code < 0 and not replaced):
                 self.failed_agents.append((agent.index, code))  # a killed one replaced: not
             if replaced:
@@ -550,13 +632,12 @@ class Pool:
                     )
 
     def _replace_agent(self, agent: Member, code: int) -> bool:
-        """An agent killed by a signal or failed (not by this launcher's stop) is a lost
-        NePS worker, as a killed rank is a lost device: a fresh agent takes its place. Its
+        """An agent killed by a signal (not by this launcher's stop) is a lost NePS
+        worker, as a killed rank is a lost device: a fresh agent takes its place. Its
         trial, left ``evaluating`` with the dead agent's lease, is proven dead by the
         fresh agent's look for orphans at its start (same host, the pid gone) and goes
-        back to pending, which NePS hands out first. The ranks running that trial finish
-        it; its outcome has nobody to go to. False when the launch is stopping or the
-        index was replaced ``AGENT_RESTARTS`` times already."""
+        back to pending, which NePS hands out first. False when the launch is stopping
+        or the index was replaced ``AGENT_RESTARTS`` times already."""
         if self.stop_deadline is not None or self.killed:
             return False
         done = self.agent_restarts.get(agent.index, 0)
@@ -624,8 +705,22 @@ class Pool:
             order.lost_at = now
         self._maybe_release(order)
 
+    def _stop_ranks_of(self, order: Order, why: str) -> None:
+        """A placed trial whose agent is gone: nobody can take its outcome and the trial
+        runs again elsewhere, in the same directory, so its ranks are SIGKILLed at once
+        (each is then reaped as a lost rank, and a fresh one takes its device)."""
+        order.lost_at = float("inf")  # no grace to wait for: done here
+        order.first_lost = order.first_lost or why
+        for rank in order.members:
+            if rank.index not in order.free and rank.proc.poll() is None:
+                self.display.say(
+                    f"trial {order.trial} lost its agent ({why}): SIGKILL to its rank on"
+                    f" device {rank.index} (pid {rank.proc.pid}); a fresh one takes the device."
+                )
+                procfs.kill(rank.proc.pid)
+
     def _end_orphaned_ranks(self, now: float) -> None:
-        """A trial that lost a rank or its agent: its ranks still in it after ``LOST_PEER_GRACE_S``
+        """A trial that lost a rank: its ranks still in it after ``LOST_PEER_GRACE_S``
         are SIGKILLed (a rank waiting in the trial's rendezvous for the lost one would
         hold its device for the join timeout); each is then reaped as a lost rank, and
         a fresh one takes its device."""
