@@ -322,3 +322,28 @@ def test_a_record_longer_than_the_sockets_buffer_goes_whole_after_a_read() -> No
     finally:
         launcher.close()
         agent.close()
+
+
+def test_a_result_too_large_for_the_wire_is_an_error_naming_the_sizes_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 checks its result before it sends it: the trial is then recorded crashed
+    with this message instead of its agent hearing of a lost rank."""
+    from neps_bcast import pool_rank
+
+    key = wire.new_key()
+    fits = pool_rank.sealed_result(key, "o1", {"loss": 0.5}, "7", "[neps_bcast]")
+    assert pickle.loads(wire.unseal(key, "result", "o1", fits)) == {"loss": 0.5}
+    monkeypatch.setattr(wire, "MAX_PAYLOAD", 2**20)
+    with pytest.raises(NepsBcastError) as raised:
+        pool_rank.sealed_result(key, "o1", b"x" * 3 * 2**20, "7", "[neps_bcast]")
+    text = str(raised.value)
+    assert "trial 7's result is 3 MiB pickled; a pool relays at most 1 MiB to the agent." in text
+    assert "save tensors or models under pipeline_directory" in text
+
+
+def test_a_result_that_does_not_pickle_is_an_error_naming_why() -> None:
+    from neps_bcast import pool_rank
+
+    with pytest.raises(NepsBcastError, match=r"trial 7's result cannot be sent to its agent:"):
+        pool_rank.sealed_result(wire.new_key(), "o1", lambda: 1, "7", "[neps_bcast]")

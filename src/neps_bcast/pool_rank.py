@@ -40,7 +40,7 @@ from neps_bcast import faults
 from neps_bcast.config import Settings
 from neps_bcast.ddp.group import names_for_a_new_store
 from neps_bcast.ddp.teardown import free_what_trials_left
-from neps_bcast.errors import FollowerLostError, NepsBcastError
+from neps_bcast.errors import ErrorRecord, FollowerLostError, NepsBcastError, format_message
 from neps_bcast.follower import run_follower
 from neps_bcast.launcher import wire
 from neps_bcast.log import logger
@@ -246,8 +246,13 @@ def _relay(
         if outcome.failures:
             answer["failures"] = [dataclasses.asdict(f) for f in outcome.failures]
         else:
-            result = pickle.dumps(on_cpu(outcome.result), protocol=pickle.HIGHEST_PROTOCOL)
-            answer["result"] = wire.seal(key, "result", name, result)
+            try:
+                answer["result"] = sealed_result(
+                    key, name, outcome.result, message.trial_id, rt.tag
+                )
+            except NepsBcastError as exc:  # the trial crashed with it; the ranks are fine
+                failure = ErrorRecord.from_exception(0, exc, pid=os.getpid())
+                answer["failures"] = [dataclasses.asdict(failure)]
         _answer(conn, name, answer)
         try:
             rt.shutdown(f"trial {message.trial_id} is over")
@@ -255,6 +260,38 @@ def _relay(
             rt.log(logging.WARNING, "the trial's group ended badly: %s", exc)
             return False
         return not outcome.failures
+
+
+def sealed_result(key: str, order: str, result: Any, trial_id: str, tag: str) -> str:
+    """The trial's result for its agent (on the CPU, pickled, sealed), or
+    ``NepsBcastError`` naming why it cannot go: it does not pickle, or it is larger than
+    the pool relays (``wire.MAX_PAYLOAD``). The trial is then recorded crashed with that
+    message, not as a lost rank."""
+    hint = (
+        "return numbers (a loss, a dict of metrics) and save tensors or models under"
+        " pipeline_directory, returning their path if you need it"
+    )
+    try:
+        data = pickle.dumps(on_cpu(result), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        raise NepsBcastError(
+            format_message(
+                tag,
+                f"trial {trial_id}'s result cannot be sent to its agent: pickling it raised"
+                f" {type(exc).__name__}: {exc}.",
+                hint,
+            )
+        ) from exc
+    if len(data) > wire.MAX_PAYLOAD:
+        raise NepsBcastError(
+            format_message(
+                tag,
+                f"trial {trial_id}'s result is {len(data) / 2**20:.0f} MiB pickled; a pool"
+                f" relays at most {wire.MAX_PAYLOAD / 2**20:.0f} MiB to the agent.",
+                hint,
+            )
+        )
+    return wire.seal(key, "result", order, data)
 
 
 def _answer(conn: wire.Conn, order: str, record: dict[str, Any]) -> None:

@@ -52,6 +52,9 @@ def take_key(environ: MutableMapping[str, str]) -> str:
 
 MAX_LINE = 256 * 1024 * 1024
 """Largest line read: a trial's sealed arguments or result, base64."""
+MAX_PAYLOAD = (MAX_LINE - 64 * 1024) // 4 * 3 - 32
+"""Largest payload ``seal`` can put on one line (base64 of its MAC and itself), with
+room for the record around it: a trial's pickled result must fit (~192 MB)."""
 _HELLO_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 60.0
 """A record's send waits this long at most for the other side to read it."""
