@@ -231,6 +231,11 @@ def test_cli_errors_exit_2_with_the_message(
     assert capsys.readouterr().err.startswith("[neps_bcast launch] --nproc-per-group 0:")
     assert cli.main(["launch", "--nproc-per-group", "1", "--stop-timeout", "0", str(script)]) == 2
     assert "must be positive seconds" in capsys.readouterr().err
+    limit = ["--trial-time-limit", "60", str(script)]
+    assert cli.main(["launch", "--nproc-per-group", "1", *limit]) == 2
+    assert "--trial-time-limit is for a pool (--pool D)" in capsys.readouterr().err
+    assert cli.main(["launch", "--pool", "1", "--trial-time-limit", "0", str(script)]) == 2
+    assert "--trial-time-limit 0: a limit must be a positive" in capsys.readouterr().err
 
 
 LEADER_LOG = """\

@@ -6,6 +6,7 @@ failing at the ``device`` fault point: tests/test_e2e_pool_devices.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 from collections import namedtuple
@@ -245,7 +246,11 @@ def test_a_lost_agents_running_trial_has_its_ranks_stopped_at_once(pool: Pool, c
     pool.agents[0].proc.code = code  # type: ignore[attr-defined]
     pool._reap_agents()
     assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
-    assert "trial 2 lost its agent (its agent 0 " in pool.display.stream.getvalue()  # type: ignore[attr-defined]
+    said = pool.display.stream.getvalue()  # type: ignore[attr-defined]
+    assert (
+        f"trial 2: its agent 0 {'was killed by SIGKILL' if code < 0 else 'exited with code 1'}"
+        in said
+    )
 
 
 def test_an_agent_that_ended_after_its_outcome_leaves_its_ranks_to_finish(pool: Pool) -> None:
@@ -339,3 +344,36 @@ def test_a_silent_connection_holds_up_neither_the_loop_nor_a_members_opening(
     joined["conn"].close()
     silent.close()
     pool.server.close()
+
+
+def test_a_trial_past_its_time_limit_has_its_ranks_stopped_and_is_reported_lost(
+    pool: Pool,
+) -> None:
+    """``--trial-time-limit``: counted from the placement; the ranks are SIGKILLed and
+    the agent hears the trial lost, naming the limit (it goes back to pending)."""
+    pool.plan = dataclasses.replace(pool.plan, trial_time_limit_s=30.0)
+    ranks = _placed_on_both(pool, 0, "2")
+    pool.orders["o2"].placed_at = 100.0
+    pool._end_overdue_trials(129.0)
+    assert pool.killed_pids == []  # type: ignore[attr-defined]
+    pool._end_overdue_trials(130.0)
+    assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
+    for rank in ranks:
+        rank.proc.code = -9  # type: ignore[attr-defined]
+    pool._reap_ranks(131.0)
+    lost = [r for r in told(pool, 0) if r.get("op") == "outcome"]
+    assert len(lost) == 1, told(pool, 0)
+    assert lost[0]["lost"] == (
+        "trial 2: still running 30 s after it was placed (--trial-time-limit)"
+    ), lost
+    assert "o2" not in pool.orders  # released: its devices get fresh ranks
+
+
+def test_a_trial_with_an_outcome_or_without_a_limit_is_never_stopped(pool: Pool) -> None:
+    _placed_on_both(pool, 0, "2")
+    pool.orders["o2"].placed_at = 0.0
+    pool._end_overdue_trials(1e9)  # no limit
+    pool.plan = dataclasses.replace(pool.plan, trial_time_limit_s=1.0)
+    pool.orders["o2"].answered = True
+    pool._end_overdue_trials(1e9)
+    assert pool.killed_pids == []  # type: ignore[attr-defined]

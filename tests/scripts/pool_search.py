@@ -8,7 +8,8 @@ Test hooks, read from the environment (not part of what a user writes):
 ``POOL_RECORD`` (a folder: one JSON line per rank and trial: pid, trial, rank, world
 size, devices, start and end times), ``POOL_SLOW`` (seconds each trial trains, in
 steps of 0.05 s, so that trials overlap), ``POOL_FAIL`` (a trial id whose rank 1
-raises in its training, the first time it runs).
+raises in its training, the first time it runs), ``POOL_HANG`` (a trial id whose ranks
+hang in its training the first time it runs, as a deadlock in user code would).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +46,8 @@ def evaluate_pipeline(pipeline_directory: Path, lr: float, ranks: int) -> float:
         rank, world = dist.get_rank(), dist.get_world_size()
         start = time.time()
         record("started", trial=trial.id, rank=rank, world=world, attempt=trial.attempt)
+        if trial.id == os.environ.get("POOL_HANG") and trial.attempt == 1:
+            threading.Event().wait()  # never set: hung, until the launcher stops it
         torch.manual_seed(0)
         model = DDP(nn.Linear(8, 1))
         optimizer = optim.SGD(model.parameters(), lr=lr)

@@ -64,6 +64,15 @@ def parser() -> argparse.ArgumentParser:
         " they fit (instead of --groups/--nproc-per-group)",
     )
     launch.add_argument(
+        "--trial-time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --pool: a trial still running this long after its ranks were given"
+        " is stopped (its ranks SIGKILLed and replaced) and goes back to pending, as for"
+        " a lost rank, up to NEPS_BCAST_MAX_RETRIES times, then crashed (default: none)",
+    )
+    launch.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -154,6 +163,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.pool is not None:
             return pool.run(pool_plan(args, request), settings, sys.stdout)
+        if args.trial_time_limit is not None:
+            raise LaunchError(
+                format_message(
+                    plan.TAG,
+                    "--trial-time-limit is for a pool (--pool D): a group's trials run"
+                    " inside its own ranks, which the launcher cannot stop one by one.",
+                    "pass --pool D with it, or bound the trial in your own code (e.g."
+                    " Lightning's Trainer(max_time=...)).",
+                )
+            )
         the_plan = plan.plan(request, plan.visible_devices(os.environ, cuda_device_count()))
     except LaunchError as exc:
         sys.stderr.write(f"{exc}\n")
@@ -173,7 +192,7 @@ def pool_plan(args: argparse.Namespace, request: plan.LaunchRequest) -> pool.Poo
                 " --groups/--nproc-per-group.",
             )
         )
-    pool.check(args.pool)
+    pool.check(args.pool, args.trial_time_limit)
     # The same checks as a group of D ranks: the script, --devices, one device each.
     one_group = plan.plan(
         plan.LaunchRequest(
@@ -193,6 +212,7 @@ def pool_plan(args: argparse.Namespace, request: plan.LaunchRequest) -> pool.Poo
         script=request.script,
         script_args=request.script_args,
         log_dir=request.log_dir / "pool",
+        trial_time_limit_s=args.trial_time_limit,
     )
 
 

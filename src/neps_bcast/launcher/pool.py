@@ -81,6 +81,9 @@ class PoolPlan:
     script: Path
     script_args: tuple[str, ...]
     log_dir: Path
+    trial_time_limit_s: float | None = None
+    """``--trial-time-limit``: a trial still running this long after it was placed is
+    stopped and goes back to pending (None: no limit)."""
 
 
 @dataclass
@@ -129,6 +132,8 @@ class Order:
     """When one of its ranks died (its other ranks then have ``LOST_PEER_GRACE_S``)."""
     succeeded: bool = False
     """Its rank 0 sent a result: only such a trial's duration feeds the drain's means."""
+    placed_at: float | None = None
+    """When its ranks were given (``--trial-time-limit`` counts from here)."""
 
 
 class Overwrite:
@@ -530,6 +535,7 @@ class Pool:
         for start in self.placement.place(now):
             order = self.orders[start.key]
             order.ranks = start.devices
+            order.placed_at = now
             for group_rank, device in enumerate(start.devices):
                 rank = self.ranks[device]
                 rank.order = order.key
@@ -590,6 +596,7 @@ class Pool:
         self._reap_agents()
         self._reap_ranks(now)
         self._end_orphaned_ranks(now)
+        self._end_overdue_trials(now)
         self._place(now)
         agents_left = any(a.proc.poll() is None for a in self.agents.values())
         if not agents_left:
@@ -618,7 +625,9 @@ class Pool:
                     self.orders.pop(order.key, None)
                 elif not order.answered and self.stop_deadline is None:
                     # Placed, no outcome yet (a stop's SIGTERM settles it instead).
-                    self._stop_ranks_of(order, f"its agent {agent.index} {_exit_text(code)}")
+                    self._stop_ranks_of(
+                        order, f"its agent {agent.index} {_exit_text(code)} before its outcome"
+                    )
             replaced = code < 0 and self._replace_agent(agent, code)
             if code > 0 or (code < 0 and not replaced):
                 self.failed_agents.append((agent.index, code))  # a killed one replaced: not
@@ -706,16 +715,16 @@ class Pool:
         self._maybe_release(order)
 
     def _stop_ranks_of(self, order: Order, why: str) -> None:
-        """A placed trial whose agent is gone: nobody can take its outcome and the trial
-        runs again elsewhere, in the same directory, so its ranks are SIGKILLed at once
-        (each is then reaped as a lost rank, and a fresh one takes its device)."""
+        """A placed trial that runs again elsewhere, in the same directory (its agent is
+        gone, or it ran past ``--trial-time-limit``): its ranks are SIGKILLed at once;
+        each is then reaped as a lost rank, and a fresh one takes its device."""
         order.lost_at = float("inf")  # no grace to wait for: done here
-        order.first_lost = order.first_lost or why
+        order.first_lost = order.first_lost or f"trial {order.trial}: {why}"
         for rank in order.members:
             if rank.index not in order.free and rank.proc.poll() is None:
                 self.display.say(
-                    f"trial {order.trial} lost its agent ({why}): SIGKILL to its rank on"
-                    f" device {rank.index} (pid {rank.proc.pid}); a fresh one takes the device."
+                    f"trial {order.trial}: {why}: SIGKILL to its rank on device"
+                    f" {rank.index} (pid {rank.proc.pid}); a fresh one takes the device."
                 )
                 procfs.kill(rank.proc.pid)
 
@@ -736,6 +745,25 @@ class Pool:
                         " SIGKILL; a fresh one takes its device."
                     )
                     procfs.kill(rank.proc.pid)
+
+    def _end_overdue_trials(self, now: float) -> None:
+        """``--trial-time-limit``: a trial placed longer ago than the limit and still
+        without an outcome (hung in the user's code, or just too long) has its ranks
+        SIGKILLed; its agent hears it lost, naming the limit, so the trial goes back to
+        pending (``NEPS_BCAST_MAX_RETRIES`` times, then crashed), and fresh ranks take
+        its devices. A hung trial would otherwise hold its devices for ever and, wide at
+        the head of the queue, stall every trial behind it."""
+        limit = self.plan.trial_time_limit_s
+        if limit is None or self.stop_deadline is not None:
+            return
+        for order in list(self.orders.values()):
+            if order.placed_at is None or order.answered or order.lost_at is not None:
+                continue
+            if now - order.placed_at < limit:
+                continue
+            self._stop_ranks_of(
+                order, f"still running {limit:g} s after it was placed (--trial-time-limit)"
+            )
 
     def _status(self) -> str:
         running = ", ".join(
@@ -790,13 +818,22 @@ def _exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-def check(size: int) -> None:
+def check(size: int, trial_time_limit_s: float | None = None) -> None:
     """Refuse a pool that cannot run, before anything starts (devices are checked as
     for one group of ``size`` ranks, ``plan.plan``)."""
     if size < 1:
         raise LaunchError(
             format_message(
                 TAG, f"--pool {size}: a pool needs at least one device.", "pass --pool 1 or more."
+            )
+        )
+    if trial_time_limit_s is not None and not trial_time_limit_s > 0:
+        raise LaunchError(
+            format_message(
+                TAG,
+                f"--trial-time-limit {trial_time_limit_s:g}: a limit must be a positive"
+                " number of seconds.",
+                "pass e.g. --trial-time-limit 3600, or leave it out for no limit.",
             )
         )
 
