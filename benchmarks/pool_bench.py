@@ -45,7 +45,7 @@ POOL_VARIANTS: dict[str, tuple[str, ...]] = {"pool": ()}
 """The pool launches and their extra workload arguments. The script imports torch and NePS
 only (as tests/scripts/pool_search.py), so each warm rank imports Lightning's cluster
 environments inside its first trial (``startup.launch.detect``, called per trial by
-``pool_rank``); ``("--preimport-lightning",)`` would have the script import them up front."""
+``pool.rank``); ``("--preimport-lightning",)`` would have the script import them up front."""
 POOL_LABELS = {"pool": "pool"}
 LOG_LINE = re.compile(
     r"^(?P<t>\d+\.\d+) INFO neps_bcast: .*\btrial (?P<trial>\S+)"

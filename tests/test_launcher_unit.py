@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from neps_bcast import cli
 from neps_bcast.errors import LaunchError
-from neps_bcast.launcher import cli, groups, plan, status
+from neps_bcast.launcher import groups, plan, status
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from neps_bcast.launcher.placement import Placement, Start
+from neps_bcast.pool.placement import Placement, Start
 
 
 def started(pool: Placement, now: float) -> dict[str, tuple[int, ...]]:

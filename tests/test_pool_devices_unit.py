@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from neps_bcast.launcher import pool as pool_module
 from neps_bcast.launcher.groups import Settings
-from neps_bcast.launcher.pool import DEVICE_START_FAILURES, Member, Pool, PoolPlan
-from neps_bcast.pool_rank import on_cpu
+from neps_bcast.pool import launcher as pool_module
+from neps_bcast.pool.launcher import DEVICE_START_FAILURES, Member, Pool, PoolPlan
+from neps_bcast.pool.rank import on_cpu
 
 PIDS = itertools.count(10_000_000)  # above any pid_max: never a real process
 
@@ -310,7 +310,7 @@ def test_a_silent_connection_holds_up_neither_the_loop_nor_a_members_opening(
     import socket
     import threading
 
-    from neps_bcast.launcher import wire
+    from neps_bcast.pool import wire
 
     pool.server.bind(pool.path)
     pool.server.listen(4)

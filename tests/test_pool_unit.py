@@ -17,9 +17,9 @@ import pytest
 
 from neps_bcast.api import _check_ranks_per_trial
 from neps_bcast.errors import NepsBcastError
-from neps_bcast.launcher import wire
-from neps_bcast.pool_agent import check_up_front, trial_size
-from neps_bcast.pool_rank import trial_environment
+from neps_bcast.pool import wire
+from neps_bcast.pool.agent import check_up_front, trial_size
+from neps_bcast.pool.rank import trial_environment
 
 
 @pytest.fixture
@@ -279,7 +279,7 @@ def test_a_trials_rendezvous_store_listens_on_loopback_only() -> None:
     """Every rank of a pool runs on the launcher's host: the agent's per-trial store,
     where the trial's rank 0 publishes its control store and torch forms the trial's
     group, must not be reachable (and writable) from another host."""
-    from neps_bcast.pool_agent import trial_store
+    from neps_bcast.pool.agent import trial_store
     from neps_bcast.transport.sockets import own_listening
 
     store = trial_store()
@@ -329,7 +329,7 @@ def test_a_result_too_large_for_the_wire_is_an_error_naming_the_sizes_and_the_fi
 ) -> None:
     """Rank 0 checks its result before it sends it: the trial is then recorded crashed
     with this message instead of its agent hearing of a lost rank."""
-    from neps_bcast import pool_rank
+    from neps_bcast.pool import rank as pool_rank
 
     key = wire.new_key()
     fits = pool_rank.sealed_result(key, "o1", {"loss": 0.5}, "7", "[neps_bcast]")
@@ -343,7 +343,7 @@ def test_a_result_too_large_for_the_wire_is_an_error_naming_the_sizes_and_the_fi
 
 
 def test_a_result_that_does_not_pickle_is_an_error_naming_why() -> None:
-    from neps_bcast import pool_rank
+    from neps_bcast.pool import rank as pool_rank
 
     with pytest.raises(NepsBcastError, match=r"trial 7's result cannot be sent to its agent:"):
         pool_rank.sealed_result(wire.new_key(), "o1", lambda: 1, "7", "[neps_bcast]")

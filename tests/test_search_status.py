@@ -21,9 +21,10 @@ from pathlib import Path
 import neps
 import pytest
 
+from neps_bcast import cli
 from neps_bcast.compat import procfs
 from neps_bcast.config import Settings
-from neps_bcast.launcher import cli, search_status, trial_placement
+from neps_bcast.launcher import search_status, trial_placement
 from neps_bcast.lease_record import Attempt, Lease, Owner
 from neps_bcast.recovery.lease_file import write_lease
 
@@ -288,7 +289,7 @@ def test_watch_needs_positive_seconds(real_root: Path, capsys: pytest.CaptureFix
 NO_TORCH = """
 import sys
 {setup}
-from neps_bcast.launcher.cli import main
+from neps_bcast.cli import main
 assert main(["status", sys.argv[1]]) == 0
 print("IMPORTED", sorted(m for m in ("torch", "neps", "lightning") if m in sys.modules))
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from neps_bcast.launcher.cli import console_main
+from neps_bcast.cli import console_main
 
 if __name__ == "__main__":
     console_main()

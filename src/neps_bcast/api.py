@@ -11,17 +11,19 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import leader, pool_agent, pool_rank
+from neps_bcast import leader
 from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import NepsBcastError, format_message
 from neps_bcast.follower import run_follower
-from neps_bcast.launcher import wire
 from neps_bcast.log import role_tag
+from neps_bcast.pool import agent as pool_agent
+from neps_bcast.pool import rank as pool_rank
+from neps_bcast.pool import wire
 from neps_bcast.runtime import Runtime, active
-from neps_bcast.startup.launch import Launch, detect
+from neps_bcast.startup.launch import Launch, detect, pool_member
 from neps_bcast.startup.rendezvous import fingerprint
 from neps_bcast.transport.auth import Signer, new_nonce, new_secret, secret_from_env
 
@@ -117,21 +119,31 @@ def _run_in_pool(
     ranks_per_trial: Callable[[dict[str, Any]], int] | None,
     settings: Settings,
 ) -> None:
-    """``neps-bcast launch --pool``: an agent (a NePS worker without a device) or a
-    warm rank (``pool_agent``, ``pool_rank``)."""
-    launch = Launch(
-        kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
-    )
+    """``neps-bcast launch --pool``: an agent (a NePS worker without a device: the
+    leader's loop, each trial handed to the ranks the launcher gives it,
+    ``pool.agent.Remote``) or a warm rank (``pool.rank.serve``: trial after trial, rank
+    0 of each leading it as a leader does, the others following)."""
+    launch = pool_member()
     fn = _resolve(evaluate_pipeline, launch)
     lightning_compat.sigterm_without_broadcast(lambda: active() is not None)
     torch_compat.keep_groups_alive()
     atexit.unregister(free_trials_at_exit)
     atexit.register(free_trials_at_exit)
-    if role == "agent":
-        assert ranks_per_trial is not None  # checked up front
-        pool_agent.run_agent(fn, pipeline_space, kwargs, ranks_per_trial, settings)
-    else:
-        pool_rank.serve(fn, settings)
+    if role != "agent":
+        pool_rank.serve(fn, settings, follow=run_follower)
+        return
+    assert ranks_per_trial is not None  # checked up front
+    remote = pool_agent.connect(os.environ, ranks_per_trial)
+    rt = Runtime(launch, settings, Signer(new_secret()))
+    pool_agent.check_up_front(ranks_per_trial, pipeline_space, remote.size, rt.tag)
+    if kwargs.get("overwrite_root_directory"):
+        kwargs = {**kwargs, "overwrite_root_directory": remote.may_overwrite()}
+    with rt.activated():
+        try:
+            leader.lead(rt, fn, pipeline_space, kwargs, run_trial=remote)
+            remote.root_ready()  # a search that ended without a trial
+        finally:
+            remote.close()
 
 
 def _signer(launch: Launch) -> Signer:

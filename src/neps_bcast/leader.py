@@ -45,7 +45,7 @@ from neps_bcast.trial import Outcome, evaluate_once, running
 
 RunTrial = Callable[[Runtime, TrialMessage], Outcome]
 """Where a trial runs when not here: a pool's agent hands it to the ranks it is given
-(``pool_agent``) and returns their outcome."""
+(``pool.agent.Remote``) and returns their outcome."""
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""

@@ -302,7 +302,7 @@ def test_the_tutorials_nccl_ddp_under_torchrun_on_two_gpus(tmp_path: Path) -> No
 
 def test_a_result_of_cuda_tensors_reaches_the_agent_on_the_cpu() -> None:
     """What a pool's rank 0 seals: ``trainer.callback_metrics``-like CUDA tensors, moved."""
-    from neps_bcast.pool_rank import on_cpu
+    from neps_bcast.pool.rank import on_cpu
 
     moved = on_cpu({"info_dict": {"val_loss": torch.ones((), device="cuda")}})
     assert moved["info_dict"]["val_loss"].device.type == "cpu"

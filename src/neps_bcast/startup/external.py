@@ -84,7 +84,7 @@ POOL_LEADER_KEY = "neps_bcast/pool/leader"
 def start_in_pool(
     launch: Launch, settings: Settings, link: Link, signer: Signer, secret: bytes, order: str
 ) -> Started:
-    """A pool's trial (``pool_rank``): the same end as ``start``, without the meeting and
+    """A pool's trial (``pool.rank``): the same end as ``start``, without the meeting and
     the handshake. The pool's launcher proved every rank (the pool's key, on its private
     socket) and started them all from one command line, so there is nothing to compare
     and no secret to agree on: ``secret`` comes with the order (derived from the pool's
@@ -92,7 +92,7 @@ def start_in_pool(
     out in this one). Rank 0 serves its control store and publishes the address on the
     trial's rendezvous store, signed with that secret; each follower checks it and
     connects. A rank that dies meanwhile has its trial's other ranks ended by the
-    launcher (``launcher.pool``), so no wait here outlives a lost peer. Measured: a
+    launcher (``pool.launcher``), so no wait here outlives a lost peer. Measured: a
     trial's start, placed to every rank in the function, 90-195 ms with the handshake,
     docs/architecture.md has the figures without it."""
     join_timeout = datetime.timedelta(seconds=settings.join_timeout_s)

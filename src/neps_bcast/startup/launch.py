@@ -17,6 +17,10 @@ Three kinds of launch, in the order they are checked:
    pulls in) was paid by every rank of every launch.
 3. ``single``: anything else. This process is a leader; its function may still start
    a DDP group of its own (Lightning ``strategy="ddp"``, ``ddp_spawn``, ``mp.spawn``).
+
+A pool's agent and warm ranks (``neps-bcast launch --pool``) are none of these: the
+launcher names them (``pool``), and a warm rank's trial is then an external launch of
+its own (``detect`` per trial).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Literal
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER
 from neps_bcast.errors import LaunchError, format_message
 
-LaunchKind = Literal["single", "lightning_child", "external"]
+LaunchKind = Literal["single", "lightning_child", "external", "pool"]
 
 IDENTITY = {
     "torchelastic": (
@@ -261,4 +265,12 @@ def _lightning_child(env: dict[str, str], local_rank: int) -> Launch:
         first_seq=_int_env(ENV_FIRST_SEQ, env),
         first_trial=env[ENV_FIRST_TRIAL],
         child_secret=env[ENV_CHILD_SECRET],
+    )
+
+
+def pool_member() -> Launch:
+    """A pool's agent or warm rank before any trial: not a rank of any group yet (an
+    agent never is), and not a leader whose function Lightning could spawn from."""
+    return Launch(
+        kind="pool", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
     )

@@ -39,10 +39,11 @@ from typing import IO, Any
 
 from neps_bcast.compat import procfs
 from neps_bcast.errors import LaunchError, format_message
-from neps_bcast.launcher import status, trial_placement, wire
+from neps_bcast.launcher import status, trial_placement
 from neps_bcast.launcher.groups import Settings, Signals, _clean_up, _die_with_parent
-from neps_bcast.launcher.placement import Placement
 from neps_bcast.launcher.plan import ENV_LAUNCH_ID, SLURM_TASK_VARIABLES, TAG
+from neps_bcast.pool import wire
+from neps_bcast.pool.placement import Placement
 
 ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
 """GPU pools: the ``CUDA_VISIBLE_DEVICES`` entries of the pool, in device order."""
@@ -58,7 +59,7 @@ its order). A trial that lost its agent has no grace: its ranks are SIGKILLed at
 
 DEVICE_START_FAILURES = 3
 """A device whose rank exits before it says hello (it proves its device first:
-``pool_rank.prove_device``) this many times in a row is retired: no rank is started
+``pool.rank.prove_device``) this many times in a row is retired: no rank is started
 for it again, trials that no longer fit the devices left are refused, and when no
 device is left the launch ends. Without it a broken device's rank was restarted for
 ever and the launch never ended."""

@@ -17,24 +17,21 @@ import os
 import pickle
 import signal
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
-from neps_bcast import faults, leader
+from neps_bcast import faults
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
-from neps_bcast.config import Settings
 from neps_bcast.errors import (
     ErrorRecord,
     FollowerLostError,
     NepsBcastError,
     format_message,
 )
-from neps_bcast.launcher import wire
+from neps_bcast.pool import wire
 from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
-from neps_bcast.startup.launch import Launch
-from neps_bcast.transport.auth import Signer, new_secret
 from neps_bcast.transport.messages import TrialMessage, encode
 from neps_bcast.transport.store import serve as serve_store
 from neps_bcast.trial import Outcome
@@ -209,30 +206,10 @@ class Remote:
         self.conn.close()
 
 
-def run_agent(
-    fn: Callable[..., Any],
-    pipeline_space: Any,
-    kwargs: dict[str, Any],
-    ranks_per_trial: RanksPerTrial,
-    settings: Settings,
-) -> None:
-    """An agent's whole life in ``neps_bcast.run``: ``neps.run`` with each trial on the
-    pool's ranks, until the search is over."""
-    environ = os.environ
+def connect(environ: MutableMapping[str, str], ranks_per_trial: RanksPerTrial) -> Remote:
+    """This agent's connection to the pool's launcher (the key taken out of the
+    environment once read), as the executor the leader's loop hands each trial to."""
     index = int(environ[wire.ENV_POOL_INDEX])
     key = wire.take_key(environ)
     conn = wire.connect(environ[wire.ENV_POOL], key, "agent", index)
-    launch = Launch(
-        kind="single", launcher="pool", global_rank=0, world_size=None, local_rank=0, node_rank=0
-    )
-    rt = Runtime(launch, settings, Signer(new_secret()))
-    check_up_front(ranks_per_trial, pipeline_space, pool_size(environ), rt.tag)
-    remote = Remote(conn, key, pool_size(environ), ranks_per_trial)
-    if kwargs.get("overwrite_root_directory"):
-        kwargs = {**kwargs, "overwrite_root_directory": remote.may_overwrite()}
-    with rt.activated():
-        try:
-            leader.lead(rt, fn, pipeline_space, kwargs, run_trial=remote)
-            remote.root_ready()  # a search that ended without a trial
-        finally:
-            remote.close()
+    return Remote(conn, key, pool_size(environ), ranks_per_trial)

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from neps_bcast.errors import LaunchError, SettingsError, format_message
-from neps_bcast.launcher import groups, plan, pool, search_status
+from neps_bcast.launcher import groups, plan, search_status
+from neps_bcast.pool import launcher as pool
 
 USAGE_EXAMPLE = "neps-bcast launch --groups 4 --nproc-per-group 2 train.py --trials 40"
 

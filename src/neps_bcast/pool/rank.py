@@ -41,9 +41,8 @@ from neps_bcast.config import Settings
 from neps_bcast.ddp.group import names_for_a_new_store
 from neps_bcast.ddp.teardown import free_what_trials_left
 from neps_bcast.errors import ErrorRecord, FollowerLostError, NepsBcastError, format_message
-from neps_bcast.follower import run_follower
-from neps_bcast.launcher import wire
 from neps_bcast.log import logger
+from neps_bcast.pool import wire
 from neps_bcast.recovery.signals import preemption, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import detect
@@ -100,7 +99,13 @@ def trial_environment(order: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def serve(fn: Callable[..., Any], settings: Settings) -> None:
+Follow = Callable[..., None]
+"""How a rank other than the trial's rank 0 takes part: the follower's role
+(``follower.run_follower``), handed in by ``api`` so that the pool sits beneath the
+roles it runs."""
+
+
+def serve(fn: Callable[..., Any], settings: Settings, follow: Follow) -> None:
     """A warm rank's whole life in ``neps_bcast.run``: trials until the launcher says
     the search is over (returns) or that this rank is recycled (``Recycled``)."""
     environ = os.environ
@@ -130,7 +135,7 @@ def serve(fn: Callable[..., Any], settings: Settings) -> None:
             try:
                 os.environ.update(trial_environment(order))
                 faults.point("order", trial_id=str(order["trial"]), group_rank=int(order["rank"]))
-                clean = _run_order(fn, settings, order, conn, key)
+                clean = _run_order(fn, settings, order, conn, key, follow)
                 faults.point("done")
             finally:
                 if dist.is_initialized():
@@ -158,7 +163,7 @@ def prove_device(index: int) -> None:
     """Before this rank says hello (and so counts as free): make device ``index`` this
     rank's device for life and allocate a little on it, so that a broken device fails
     here, where the launcher counts failed starts per device and retires one that keeps
-    failing (``launcher.pool.DEVICE_START_FAILURES``), instead of failing every trial
+    failing (``pool.launcher.DEVICE_START_FAILURES``), instead of failing every trial
     placed on it. On a machine without CUDA there is nothing to prove; the fault point
     ``device`` is reached all the same."""
     faults.point("device", device=index)
@@ -193,6 +198,7 @@ def _run_order(
     order: dict[str, Any],
     conn: wire.Conn,
     key: str,
+    follow: Follow,
 ) -> bool:
     """This rank's part of one trial; True when it ended cleanly here."""
     names_for_a_new_store()
@@ -207,7 +213,7 @@ def _run_order(
         try:
             if rt.group_rank == 0:
                 return _relay(rt, fn, order, conn, key)
-            run_follower(rt, fn, first_contact=False)
+            follow(rt, fn, first_contact=False)
             return True
         finally:
             rt.launcher_store = None
