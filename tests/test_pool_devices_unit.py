@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from neps_bcast.launcher.groups import Settings
-from neps_bcast.pool import launcher as pool_module
-from neps_bcast.pool.launcher import DEVICE_START_FAILURES, Member, Pool, PoolPlan
+from neps_bcast.compat import procfs
+from neps_bcast.launcher.processes import Settings
+from neps_bcast.pool.devices import DEVICE_START_FAILURES
+from neps_bcast.pool.launcher import Pool
+from neps_bcast.pool.members import Member, PoolPlan
 from neps_bcast.pool.rank import on_cpu
 
 PIDS = itertools.count(10_000_000)  # above any pid_max: never a real process
@@ -52,17 +54,17 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pool:
     p = Pool(plan, Settings(), io.StringIO())
     p.killed_pids = []  # type: ignore[attr-defined]
     monkeypatch.setattr(
-        pool_module.procfs,
+        procfs,
         "kill",
         lambda pid, sig=9: p.killed_pids.append((pid, sig)),  # type: ignore[attr-defined]
     )
 
     def start(role: str, index: int) -> Member:
         member = Member(role, index, FakeProc(1 if role == "rank" else None), tmp_path / "x.log")  # type: ignore[arg-type]
-        (p.agents if role == "agent" else p.ranks)[index] = member
+        p.members.of(role)[index] = member
         return member
 
-    monkeypatch.setattr(p, "_start", start)
+    monkeypatch.setattr(p.members, "start", start)
     for index in range(2):
         start("rank", index)
         agent = start("agent", index)
@@ -73,13 +75,13 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pool:
 
 def ask(p: Pool, agent: int, trial: str, size: int) -> None:
     p._handle(
-        p.agents[agent],
+        p.members.agents[agent],
         {"op": "ask", "order": f"o{trial}", "trial": trial, "size": size, "port": 1, "payload": ""},
     )
 
 
 def told(p: Pool, agent: int) -> list[dict[str, Any]]:
-    return p.agents[agent].conn.sent  # type: ignore[union-attr]
+    return p.members.agents[agent].conn.sent  # type: ignore[union-attr]
 
 
 def fail_starts(p: Pool, times: int) -> None:
@@ -90,11 +92,11 @@ def fail_starts(p: Pool, times: int) -> None:
 
 
 def test_a_device_is_retired_after_its_rank_failed_to_start_k_times_in_a_row(pool: Pool) -> None:
-    pool.ranks[0].proc.code = None  # type: ignore[attr-defined]  # device 0's rank is fine
+    pool.members.ranks[0].proc.code = None  # type: ignore[attr-defined]  # device 0's rank is fine
     fail_starts(pool, DEVICE_START_FAILURES - 1)
-    assert pool.retired == {}
+    assert pool.devices.retired == {}
     fail_starts(pool, 1)
-    assert list(pool.retired) == [1]
+    assert list(pool.devices.retired) == [1]
     text = pool.display.stream.getvalue()  # type: ignore[attr-defined]
     assert (
         "[neps_bcast launch] device 1 is retired: its rank failed to start 3 times in a row"
@@ -103,20 +105,20 @@ def test_a_device_is_retired_after_its_rank_failed_to_start_k_times_in_a_row(poo
     ), text
     assert "nvidia-smi" in text
     fail_starts(pool, 1)
-    assert pool.ranks[1].reaped  # no fresh rank for a retired device
+    assert pool.members.ranks[1].reaped  # no fresh rank for a retired device
     assert pool.ended is None  # device 0 is left
 
 
 def test_a_hello_resets_the_count(pool: Pool) -> None:
-    pool.ranks[0].proc.code = None  # type: ignore[attr-defined]
+    pool.members.ranks[0].proc.code = None  # type: ignore[attr-defined]
     fail_starts(pool, DEVICE_START_FAILURES - 1)
-    pool.start_failures.pop(1)  # what a hello does (Pool._accept)
+    pool.devices.started(1)  # what a hello does
     fail_starts(pool, DEVICE_START_FAILURES - 1)
-    assert pool.retired == {}
+    assert pool.devices.retired == {}
 
 
 def test_trials_that_no_longer_fit_are_refused_naming_the_sizes(pool: Pool) -> None:
-    pool.ranks[0].proc.code = None  # type: ignore[attr-defined]
+    pool.members.ranks[0].proc.code = None  # type: ignore[attr-defined]
     ask(pool, 0, "1", 2)  # waits: device 1's rank is not up
     ask(pool, 1, "2", 1)
     fail_starts(pool, DEVICE_START_FAILURES)
@@ -128,7 +130,7 @@ def test_trials_that_no_longer_fit_are_refused_naming_the_sizes(pool: Pool) -> N
     ), refused
     assert "ranks_per_trial ask for at most 1" in refused[0]["refused"]
     assert told(pool, 1) == []  # a trial of 1 still fits: it waits for device 0
-    assert "o2" in pool.orders
+    assert "o2" in pool.trials.orders
     ask(pool, 1, "3", 2)  # asked after the retirement: refused at once
     assert "trial 3 needs 2 device(s)" in told(pool, 1)[-1]["refused"]
 
@@ -136,7 +138,7 @@ def test_trials_that_no_longer_fit_are_refused_naming_the_sizes(pool: Pool) -> N
 def test_with_no_device_left_the_launch_ends_with_exit_1(pool: Pool) -> None:
     ask(pool, 0, "1", 1)
     fail_starts(pool, DEVICE_START_FAILURES)  # both devices' ranks fail each time
-    assert sorted(pool.retired) == [0, 1]
+    assert sorted(pool.devices.retired) == [0, 1]
     assert (
         "trial 1 needs 1 device(s), but 0 of the pool's 2 are left"
         in (told(pool, 0)[-1]["refused"])
@@ -148,15 +150,15 @@ def test_with_no_device_left_the_launch_ends_with_exit_1(pool: Pool) -> None:
         " times in a row, exit codes 1, 1, 1): no trial can run, so the launch ends. HINT:"
     ), pool.ended
     sigterms = {pid for pid, sig in pool.killed_pids if sig == 15}  # type: ignore[attr-defined]
-    assert sigterms == {a.proc.pid for a in pool.agents.values()}
+    assert sigterms == {a.proc.pid for a in pool.members.agents.values()}
     assert pool._exit_status() == 1
 
 
 def test_an_agents_environment_hides_every_gpu_and_a_ranks_does_not(tmp_path: Path) -> None:
     plan = PoolPlan(2, ("3", "5"), tmp_path / "script.py", (), tmp_path / "logs")
     p = Pool(plan, Settings(), io.StringIO())
-    assert p._environment("agent", 0)["CUDA_VISIBLE_DEVICES"] == ""
-    assert p._environment("rank", 1)["CUDA_VISIBLE_DEVICES"] == "3,5"
+    assert p.members.environment("agent", 0)["CUDA_VISIBLE_DEVICES"] == ""
+    assert p.members.environment("rank", 1)["CUDA_VISIBLE_DEVICES"] == "3,5"
 
 
 def test_a_result_is_moved_to_the_cpu_keeping_its_shape() -> None:
@@ -179,47 +181,47 @@ def test_a_fresh_rank_on_a_lost_trials_device_is_not_taken_for_the_trials_rank_0
     the trial's rank 1 is lost too. The launcher reads the trial's own rank 0 for its last
     words, never the fresh one (which has none, and whose connection must stay open)."""
     p = pool
-    old0, old1 = p.ranks[0], p.ranks[1]
+    old0, old1 = p.members.ranks[0], p.members.ranks[1]
     for rank in (old0, old1):
         rank.proc.code = None  # type: ignore[attr-defined]
-        p.placement.set_available(rank.index, True)
+        p.trials.placement.set_available(rank.index, True)
     ask(p, 0, "2", 2)
-    p._place(0.0)
-    order = p.orders["o2"]
+    p.trials.place(0.0)
+    order = p.trials.orders["o2"]
     assert order.members == [old0, old1]
     old0.proc.code = -9  # type: ignore[attr-defined]
-    p._rank_of_a_trial_lost(order, old0, -9, 0.0)
+    p.endings.rank_lost(order, old0, -9, 0.0)
     fresh = Member("rank", 0, FakeProc(None), Path("x.log"))  # type: ignore[arg-type]
     fresh.conn = FakeConn()  # type: ignore[assignment]
     fresh.conn.feed = lambda: pytest.fail("the fresh rank was read for the trial")  # type: ignore[union-attr]
-    p.ranks[0] = fresh
+    p.members.ranks[0] = fresh
     old1.proc.code = -9  # type: ignore[attr-defined]
-    p._rank_of_a_trial_lost(order, old1, -9, 1.0)
+    p.endings.rank_lost(order, old1, -9, 1.0)
     assert fresh.conn is not None and not fresh.retiring
     lost = [r for r in told(p, 0) if r.get("op") == "outcome"]
     assert len(lost) == 1 and "rank 0 of trial 2" in lost[0]["lost"], lost
-    assert p.placement._mean_duration(2) is None  # a lost trial's run is no duration
+    assert p.trials.placement._mean_duration(2) is None  # a lost trial's run is no duration
 
 
 def _placed_on_both(p: Pool, agent: int, trial: str) -> list[Member]:
-    ranks = [p.ranks[0], p.ranks[1]]
+    ranks = [p.members.ranks[0], p.members.ranks[1]]
     for rank in ranks:
         rank.proc.code = None  # type: ignore[attr-defined]
-        p.placement.set_available(rank.index, True)
+        p.trials.placement.set_available(rank.index, True)
     ask(p, agent, trial, 2)
-    p._place(0.0)
+    p.trials.place(0.0)
     return ranks
 
 
 def test_an_agent_that_failed_is_not_replaced_and_decides_the_exit_status(pool: Pool) -> None:
     """A failure with an exit code (the rule refused up front, a script error, NePS's
     WorkerRaiseError) would recur in a fresh agent: none is started."""
-    failed = pool.agents[0]
+    failed = pool.members.agents[0]
     failed.proc.code = 1  # type: ignore[attr-defined]
     pool._reap_agents()
-    assert pool.agents[0] is failed
-    assert pool.agent_restarts == {}
-    assert pool.failed_agents == [(0, 1)]
+    assert pool.members.agents[0] is failed
+    assert pool.agent_lives.restarts == {}
+    assert pool.agent_lives.failed == [(0, 1)]
     text = pool.display.stream.getvalue()  # type: ignore[attr-defined]
     assert "agent 0 failed (exit 1); the others go on." in text, text
     assert "pending" not in text
@@ -227,12 +229,12 @@ def test_an_agent_that_failed_is_not_replaced_and_decides_the_exit_status(pool: 
 
 
 def test_an_agent_killed_by_a_signal_is_replaced(pool: Pool) -> None:
-    killed = pool.agents[1]
+    killed = pool.members.agents[1]
     killed.proc.code = -9  # type: ignore[attr-defined]
     pool._reap_agents()
-    assert pool.agents[1] is not killed
-    assert pool.agent_restarts == {1: 1}
-    assert pool.failed_agents == []
+    assert pool.members.agents[1] is not killed
+    assert pool.agent_lives.restarts == {1: 1}
+    assert pool.agent_lives.failed == []
     assert "agent 1 was killed by SIGKILL: a fresh one takes its place" in (
         pool.display.stream.getvalue()  # type: ignore[attr-defined]
     )
@@ -243,7 +245,7 @@ def test_a_lost_agents_running_trial_has_its_ranks_stopped_at_once(pool: Pool, c
     """Nobody can take the trial's outcome and it runs again in the same directory: its
     ranks get SIGKILL at once, not after the lost-peer grace."""
     ranks = _placed_on_both(pool, 0, "2")
-    pool.agents[0].proc.code = code  # type: ignore[attr-defined]
+    pool.members.agents[0].proc.code = code  # type: ignore[attr-defined]
     pool._reap_agents()
     assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
     said = pool.display.stream.getvalue()  # type: ignore[attr-defined]
@@ -257,15 +259,15 @@ def test_an_agent_that_ended_after_its_outcome_leaves_its_ranks_to_finish(pool: 
     ranks = _placed_on_both(pool, 0, "2")
     ranks[0].conn = FakeConn()  # type: ignore[assignment]
     pool._handle(ranks[0], {"op": "outcome", "order": "o2", "result": "", "clean": True})
-    pool.agents[0].proc.code = 0  # type: ignore[attr-defined]
+    pool.members.agents[0].proc.code = 0  # type: ignore[attr-defined]
     pool._reap_agents()
     assert pool.killed_pids == []  # type: ignore[attr-defined]
 
 
 def test_a_stopping_launch_leaves_a_lost_agents_ranks_to_their_sigterm(pool: Pool) -> None:
     _placed_on_both(pool, 0, "2")
-    pool.stop_deadline = 100.0
-    pool.agents[0].proc.code = 143  # type: ignore[attr-defined]
+    pool.supervisor.stop_deadline = 100.0
+    pool.members.agents[0].proc.code = 143  # type: ignore[attr-defined]
     pool._reap_agents()
     assert pool.killed_pids == []  # type: ignore[attr-defined]
 
@@ -278,24 +280,24 @@ def test_the_root_is_overwritten_once_per_launch(pool: Pool) -> None:
     """``overwrite_root_directory=True``: the first agent to ask wipes the root; the
     others wait until it says the root is ready, then go on without wiping, and so does
     an agent started later in the agent's place."""
-    pool._handle(pool.agents[0], {"op": "may_overwrite"})
-    pool._handle(pool.agents[1], {"op": "may_overwrite"})
+    pool._handle(pool.members.agents[0], {"op": "may_overwrite"})
+    pool._handle(pool.members.agents[1], {"op": "may_overwrite"})
     assert overwrite_answers(pool, 0) == [True]
     assert overwrite_answers(pool, 1) == []  # waits: agent 0 holds the root
-    pool._handle(pool.agents[0], {"op": "root_ready"})
+    pool._handle(pool.members.agents[0], {"op": "root_ready"})
     assert overwrite_answers(pool, 1) == [False]
-    pool.agents[1].proc.code = -9  # type: ignore[attr-defined]
+    pool.members.agents[1].proc.code = -9  # type: ignore[attr-defined]
     pool._reap_agents()
-    fresh = pool.agents[1]
+    fresh = pool.members.agents[1]
     fresh.conn = FakeConn()  # type: ignore[assignment]
     pool._handle(fresh, {"op": "may_overwrite"})
     assert overwrite_answers(pool, 1) == [False]
 
 
 def test_an_agent_lost_before_the_root_was_ready_passes_the_overwrite_on(pool: Pool) -> None:
-    pool._handle(pool.agents[0], {"op": "may_overwrite"})
-    pool._handle(pool.agents[1], {"op": "may_overwrite"})
-    pool.agents[0].proc.code = -9  # type: ignore[attr-defined]
+    pool._handle(pool.members.agents[0], {"op": "may_overwrite"})
+    pool._handle(pool.members.agents[1], {"op": "may_overwrite"})
+    pool.members.agents[0].proc.code = -9  # type: ignore[attr-defined]
     pool._reap_agents()
     assert overwrite_answers(pool, 1) == [True]
 
@@ -310,23 +312,25 @@ def test_a_silent_connection_holds_up_neither_the_loop_nor_a_members_opening(
     import socket
     import threading
 
-    from neps_bcast.pool import wire
+    from neps_bcast.pool import opening
 
-    pool.server.bind(pool.path)
+    pool.server.bind(pool.members.path)
     pool.server.listen(4)
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    silent.connect(pool.path)
-    accepting = threading.Thread(target=pool._accept, daemon=True)
+    silent.connect(pool.members.path)
+    accepting = threading.Thread(target=lambda: pool.members.accept(pool.server), daemon=True)
     accepting.start()
     accepting.join(10)
     assert not accepting.is_alive(), "the launcher waited on a silent connection"
-    pool.agents[1].conn = None  # only real connections in the loop's select
-    agent = pool.agents[0]
+    pool.members.agents[1].conn = None  # only real connections in the loop's select
+    agent = pool.members.agents[0]
     agent.conn, agent.said_hello = None, False
     agent.proc.pid = os.getpid()  # type: ignore[misc]  # this test's process is agent 0
     joined: dict[str, Any] = {}
     member = threading.Thread(
-        target=lambda: joined.update(conn=wire.connect(pool.path, pool.key, "agent", 0)),
+        target=lambda: joined.update(
+            conn=opening.connect(pool.members.path, pool.members.key, "agent", 0)
+        ),
         daemon=True,
     )
     member.start()
@@ -336,9 +340,9 @@ def test_a_silent_connection_holds_up_neither_the_loop_nor_a_members_opening(
         pool._wait(0.05)
     member.join(10)
     assert agent.said_hello and "conn" in joined
-    assert len(pool.openings) == 1  # the silent one, still within its deadline
-    pool._expire_openings(pool.openings[0].deadline)
-    assert pool.openings == []
+    assert len(pool.members.openings) == 1  # the silent one, still within its deadline
+    pool.members.expire(pool.members.openings[0].deadline)
+    assert pool.members.openings == []
     assert "did not prove the pool's key in time" in pool.display.stream.getvalue()  # type: ignore[attr-defined]
     assert silent.recv(1) == b""  # closed by the launcher
     joined["conn"].close()
@@ -351,12 +355,12 @@ def test_a_trial_past_its_time_limit_has_its_ranks_stopped_and_is_reported_lost(
 ) -> None:
     """``--trial-time-limit``: counted from the placement; the ranks are SIGKILLed and
     the agent hears the trial lost, naming the limit (it goes back to pending)."""
-    pool.plan = dataclasses.replace(pool.plan, trial_time_limit_s=30.0)
+    pool.trials.plan = dataclasses.replace(pool.trials.plan, trial_time_limit_s=30.0)
     ranks = _placed_on_both(pool, 0, "2")
-    pool.orders["o2"].placed_at = 100.0
-    pool._end_overdue_trials(129.0)
+    pool.trials.orders["o2"].placed_at = 100.0
+    pool.endings.end_overdue(129.0)
     assert pool.killed_pids == []  # type: ignore[attr-defined]
-    pool._end_overdue_trials(130.0)
+    pool.endings.end_overdue(130.0)
     assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
     for rank in ranks:
         rank.proc.code = -9  # type: ignore[attr-defined]
@@ -366,14 +370,14 @@ def test_a_trial_past_its_time_limit_has_its_ranks_stopped_and_is_reported_lost(
     assert lost[0]["lost"] == (
         "trial 2: still running 30 s after it was placed (--trial-time-limit)"
     ), lost
-    assert "o2" not in pool.orders  # released: its devices get fresh ranks
+    assert "o2" not in pool.trials.orders  # released: its devices get fresh ranks
 
 
 def test_a_trial_with_an_outcome_or_without_a_limit_is_never_stopped(pool: Pool) -> None:
     _placed_on_both(pool, 0, "2")
-    pool.orders["o2"].placed_at = 0.0
-    pool._end_overdue_trials(1e9)  # no limit
-    pool.plan = dataclasses.replace(pool.plan, trial_time_limit_s=1.0)
-    pool.orders["o2"].answered = True
-    pool._end_overdue_trials(1e9)
+    pool.trials.orders["o2"].placed_at = 0.0
+    pool.endings.end_overdue(1e9)  # no limit
+    pool.trials.plan = dataclasses.replace(pool.trials.plan, trial_time_limit_s=1.0)
+    pool.trials.orders["o2"].answered = True
+    pool.endings.end_overdue(1e9)
     assert pool.killed_pids == []  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ import pytest
 
 from neps_bcast.api import _check_ranks_per_trial
 from neps_bcast.errors import NepsBcastError
-from neps_bcast.pool import wire
+from neps_bcast.pool import opening, wire
 from neps_bcast.pool.agent import check_up_front, trial_size
 from neps_bcast.pool.rank import trial_environment
 
@@ -44,7 +44,7 @@ def accept_in_thread(
         sock, _ = listening.accept()
         conn = wire.Conn(sock)
         try:
-            seen["hello"] = wire.accept(conn, key, admit)
+            seen["hello"] = opening.accept(conn, key, admit)
             seen["next"] = conn.receive(10)
         except (wire.WireError, TimeoutError) as exc:
             seen["error"] = exc
@@ -61,7 +61,7 @@ def test_a_member_with_the_key_is_welcomed_and_heard(server: tuple[str, socket.s
     path, listening = server
     key = wire.new_key()
     seen = accept_in_thread(listening, key)
-    conn = wire.connect(path, key, "rank", 3)
+    conn = opening.connect(path, key, "rank", 3)
     conn.send({"op": "free", "order": "x", "clean": True})
     seen["thread"].join(10)
     conn.close()
@@ -85,7 +85,7 @@ def test_the_hellos_pid_is_the_kernels_and_a_process_not_admitted_hears_why(
 
     seen = accept_in_thread(listening, key, admit)
     with pytest.raises(wire.WireError, match=r"refused this process: rank 3 is pid 1 here"):
-        wire.connect(path, key, "rank", 3)
+        opening.connect(path, key, "rank", 3)
     seen["thread"].join(10)
     assert heard[0]["pid"] == os.getpid()
     assert "refused: rank 3 is pid 1 here" in str(seen["error"])
@@ -97,7 +97,7 @@ def test_a_process_without_the_key_is_refused_before_anything_it_sends_is_read(
     path, listening = server
     seen = accept_in_thread(listening, wire.new_key())
     with pytest.raises(wire.WireError):
-        wire.connect(path, wire.new_key(), "agent", 0)  # its own key: the launcher's proof fails
+        opening.connect(path, wire.new_key(), "agent", 0)  # its own key: the launcher's proof fails
     seen["thread"].join(10)
     assert "hello" not in seen and "next" not in seen
     assert isinstance(seen["error"], wire.WireError)
@@ -124,7 +124,7 @@ def test_a_socket_that_cannot_prove_the_key_is_not_trusted(
     thread = threading.Thread(target=impostor)
     thread.start()
     with pytest.raises(wire.WireError, match="did not prove the pool's key"):
-        wire.connect(path, wire.new_key(), "rank", 0)
+        opening.connect(path, wire.new_key(), "rank", 0)
     thread.join(10)
     assert [r["op"] for r in received] == ["hello"]  # no proof, nothing else, was sent
 
@@ -295,7 +295,7 @@ def test_reading_a_member_with_nothing_to_say_returns_at_once() -> None:
     timeout its socket kept from the opening (the pool sweep once had a fresh rank's
     connection closed so, after the launcher's loop stalled for that timeout)."""
     launcher_side, member_side = socket.socketpair()
-    launcher_side.settimeout(2.0)  # as ``wire.accept``'s bounded receive leaves it
+    launcher_side.settimeout(2.0)  # as ``opening.accept``'s bounded receive leaves it
     conn = wire.Conn(launcher_side)
     try:
         assert conn.feed() == []

@@ -29,7 +29,7 @@ from neps_bcast.errors import (
     NepsBcastError,
     format_message,
 )
-from neps_bcast.pool import wire
+from neps_bcast.pool import opening, wire
 from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage, encode
@@ -211,5 +211,5 @@ def connect(environ: MutableMapping[str, str], ranks_per_trial: RanksPerTrial) -
     environment once read), as the executor the leader's loop hands each trial to."""
     index = int(environ[wire.ENV_POOL_INDEX])
     key = wire.take_key(environ)
-    conn = wire.connect(environ[wire.ENV_POOL], key, "agent", index)
+    conn = opening.connect(environ[wire.ENV_POOL], key, "agent", index)
     return Remote(conn, key, pool_size(environ), ranks_per_trial)

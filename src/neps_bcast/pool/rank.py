@@ -42,7 +42,7 @@ from neps_bcast.ddp.group import names_for_a_new_store
 from neps_bcast.ddp.teardown import free_what_trials_left
 from neps_bcast.errors import ErrorRecord, FollowerLostError, NepsBcastError, format_message
 from neps_bcast.log import logger
-from neps_bcast.pool import wire
+from neps_bcast.pool import opening, wire
 from neps_bcast.recovery.signals import preemption, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import detect
@@ -119,7 +119,7 @@ def serve(fn: Callable[..., Any], settings: Settings, follow: Follow) -> None:
     prove_device(index)
     freed = free_what_trials_left()  # the first: the heap of the imports frozen
     logger.info("%s ready (%d objects frozen)", tag, freed.froze)
-    conn = wire.connect(environ[wire.ENV_POOL], key, "rank", index)
+    conn = opening.connect(environ[wire.ENV_POOL], key, "rank", index)
     started_with = dict(os.environ)
     try:
         while True:

@@ -18,11 +18,9 @@ import base64
 import hashlib
 import hmac
 import json
-import os
 import secrets
 import socket
-import struct
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 ENV_POOL = "NEPS_BCAST_POOL"
@@ -55,7 +53,6 @@ MAX_LINE = 256 * 1024 * 1024
 MAX_PAYLOAD = (MAX_LINE - 64 * 1024) // 4 * 3 - 32
 """Largest payload ``seal`` can put on one line (base64 of its MAC and itself), with
 room for the record around it: a trial's pickled result must fit (~192 MB)."""
-_HELLO_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 60.0
 """A record's send waits this long at most for the other side to read it."""
 
@@ -68,7 +65,8 @@ def new_key() -> str:
     return secrets.token_hex(32)
 
 
-def _proof(key: str, *parts: str) -> str:
+def proof(key: str, *parts: str) -> str:
+    """HMAC-SHA256 of ``parts`` with the pool's key: what each side of an opening shows."""
     return hmac.new(bytes.fromhex(key), "\0".join(parts).encode(), hashlib.sha256).hexdigest()
 
 
@@ -185,131 +183,3 @@ def parse(line: bytes) -> dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("op"), str):
         raise WireError("a record must be an object with an 'op'")
     return record
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int]:
-    """The connected process's pid and uid as the kernel saw them at ``connect``
-    (``SO_PEERCRED``), not as the process claims them."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return int(pid), int(uid)
-
-
-def peer_uid(sock: socket.socket) -> int:
-    return peer_credentials(sock)[1]
-
-
-def connect(path: str, key: str, role: str, index: int) -> Conn:
-    """A process's side of the opening: prove the key, check the launcher's proof."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(_HELLO_TIMEOUT_S)
-        sock.connect(path)
-    except OSError as exc:
-        sock.close()
-        raise WireError(f"cannot reach the pool's launcher at {path} ({exc})") from exc
-    conn = Conn(sock)
-    mine = secrets.token_hex(16)
-    conn.send({"op": "hello", "role": role, "index": index, "pid": os.getpid(), "nonce": mine})
-    answer = conn.receive(_HELLO_TIMEOUT_S)
-    theirs = answer.get("nonce")
-    if (
-        answer.get("op") != "challenge"
-        or not isinstance(theirs, str)
-        or not hmac.compare_digest(str(answer.get("proof")), _proof(key, "launcher", mine))
-    ):
-        conn.close()
-        raise WireError("the pool's socket did not prove the pool's key: refused")
-    conn.send({"op": "proof", "proof": _proof(key, "member", theirs, role, str(index))})
-    welcome = conn.receive(_HELLO_TIMEOUT_S)
-    if welcome.get("op") != "welcome":
-        conn.close()
-        raise WireError(f"the launcher refused this process: {welcome.get('why')}")
-    return conn
-
-
-class Opening:
-    """The launcher's side of one connection's opening, a record at a time: it never
-    waits, so a process that connects and says nothing (or a slow one) cannot hold up
-    the launcher's loop, which drives every opening from its ``select`` and drops one
-    past ``deadline``. ``WireError`` at any step: the connection is refused.
-
-    The steps: the kernel's uid of the connected process must be this user's
-    (``SO_PEERCRED``); its hello; the launcher's challenge (its proof of the key and a
-    nonce); the process's proof; then ``finish`` with the launcher's verdict."""
-
-    def __init__(self, conn: Conn, key: str, now: float, timeout: float = _HELLO_TIMEOUT_S):
-        self.conn = conn
-        self.key = key
-        self.deadline = now + timeout
-        self.pid, uid = peer_credentials(conn.sock)
-        if uid != os.geteuid():
-            raise WireError(f"a process of uid {uid} connected: refused")
-        self.hello: dict[str, Any] | None = None
-        self._mine = ""
-
-    def fileno(self) -> int:
-        return self.conn.fileno()
-
-    def feed(self) -> dict[str, Any] | None:
-        """Read what is there now; the proven hello (its ``pid`` the kernel's) once the
-        process proved the key, else None (not yet)."""
-        for record in self.conn.feed():
-            proven = self.step(record)
-            if proven is not None:
-                return proven
-        return None
-
-    def step(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        if self.hello is None:
-            nonce = record.get("nonce")
-            role, index = record.get("role"), record.get("index")
-            if (
-                record.get("op") != "hello"
-                or not isinstance(nonce, str)
-                or role not in ("agent", "rank")
-                or not isinstance(index, int)
-                or isinstance(index, bool)
-            ):
-                raise WireError("not a pool member's hello")
-            self.hello = record
-            self._mine = secrets.token_hex(16)
-            self.conn.send(
-                {
-                    "op": "challenge",
-                    "nonce": self._mine,
-                    "proof": _proof(self.key, "launcher", nonce),
-                }
-            )
-            return None
-        role, index = str(self.hello["role"]), str(self.hello["index"])
-        expected = _proof(self.key, "member", self._mine, role, index)
-        if record.get("op") != "proof" or not hmac.compare_digest(
-            str(record.get("proof")), expected
-        ):
-            self.conn.send({"op": "refused", "why": "the pool's key was not proven"})
-            raise WireError("a process that did not prove the pool's key: refused")
-        return {**self.hello, "pid": self.pid}
-
-    def finish(self, hello: dict[str, Any], why: str | None) -> None:
-        """The launcher's verdict on a proven process: welcome (``why`` None), or refused
-        with the reason, which the process hears at its ``connect``."""
-        if why is not None:
-            self.conn.send({"op": "refused", "why": why})
-            raise WireError(f"{hello['role']} {hello['index']} (pid {hello['pid']}) refused: {why}")
-        self.conn.send({"op": "welcome"})
-
-
-def accept(
-    conn: Conn, key: str, admit: Callable[[dict[str, Any]], str | None] = lambda hello: None
-) -> dict[str, Any]:
-    """``Opening`` waited through (blocking, each record bounded by the hello timeout):
-    the hello of a process that proved the key and is this user; ``WireError``
-    otherwise. ``admit(hello)``, last, names why the launcher will not take this process
-    (None: welcome)."""
-    opening = Opening(conn, key, 0.0)
-    proven = None
-    while proven is None:
-        proven = opening.step(conn.receive(_HELLO_TIMEOUT_S))
-    opening.finish(proven, admit(proven))
-    return proven
