@@ -3,8 +3,8 @@
 One Unix socket, served by the launcher in a directory only this user can enter (mode
 0700, made by the launcher), one connection per process, JSON lines both ways. Nothing
 on it is pickled: a trial's arguments and a trial's result travel as base64 bytes that
-only the agent and the trial's rank 0 open, after checking their HMAC (``seal``/
-``unseal``). Every connection starts with a mutual proof of the pool's key (a random
+only the agent and the trial's rank 0 open, after checking their tag (``seal``/
+``unseal``: the library's one tag scheme, ``transport.auth``, with the pool's key). Every connection starts with a mutual proof of the pool's key (a random
 key the launcher hands its children in their environment): the launcher refuses a
 process that cannot prove it, and also checks with ``SO_PEERCRED`` that the peer is
 this user; a process refuses a launcher that cannot prove it.
@@ -15,13 +15,14 @@ No torch, no NePS here: the launcher imports this module too.
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
 import secrets
 import socket
 from collections.abc import MutableMapping
 from typing import Any
+
+from neps_bcast.errors import AuthError
+from neps_bcast.transport.auth import Context, Signer
 
 ENV_POOL = "NEPS_BCAST_POOL"
 """The launcher's socket, set for every agent and rank of a pool."""
@@ -65,25 +66,30 @@ def new_key() -> str:
     return secrets.token_hex(32)
 
 
+_SEARCH = b"neps_bcast/pool"
+"""What the pool's tags bind besides the key: never valid as a search's tag."""
+
+
+def _signer(key: str) -> Signer:
+    """The pool's key in the library's one tag scheme (``transport.auth``)."""
+    return Signer(bytes.fromhex(key), _SEARCH)
+
+
 def proof(key: str, *parts: str) -> str:
-    """HMAC-SHA256 of ``parts`` with the pool's key: what each side of an opening shows."""
-    return hmac.new(bytes.fromhex(key), "\0".join(parts).encode(), hashlib.sha256).hexdigest()
+    """The tag of ``parts`` with the pool's key: what each side of an opening shows."""
+    return _signer(key).sign(Context("pool/opening\0" + "\0".join(parts), 0), b"").hex()
 
 
 def derive(key: str, what: str, order: str) -> bytes:
-    """A secret for ``what`` of ``order`` that only holders of the pool's key can make
-    (HMAC-SHA256): every rank of a trial derives the same one, nobody else can."""
-    return hmac.new(
-        bytes.fromhex(key), f"derive\0{what}\0{order}".encode(), hashlib.sha256
-    ).digest()
+    """A secret for ``what`` of ``order`` that only holders of the pool's key can make:
+    every rank of a trial derives the same one, nobody else can."""
+    return _signer(key).sign(Context(f"pool/derive/{what}/{order}", 0), b"")
 
 
 def seal(key: str, what: str, order: str, payload: bytes) -> str:
-    """``payload`` for the wire: base64 of its MAC (bound to ``what`` and ``order``)
+    """``payload`` for the wire: base64 of its tag (bound to ``what`` and ``order``)
     and itself."""
-    mac = hmac.new(bytes.fromhex(key), f"{what}\0{order}\0".encode(), hashlib.sha256)
-    mac.update(payload)
-    return base64.b64encode(mac.digest() + payload).decode()
+    return base64.b64encode(_signer(key).sign(Context(f"pool/{what}/{order}", 0), payload)).decode()
 
 
 def unseal(key: str, what: str, order: str, text: object) -> bytes:
@@ -95,12 +101,10 @@ def unseal(key: str, what: str, order: str, text: object) -> bytes:
         raw = base64.b64decode(text.encode(), validate=True)
     except ValueError as exc:
         raise WireError(f"a sealed {what} is not base64") from exc
-    mac, payload = raw[:32], raw[32:]
-    expected = hmac.new(bytes.fromhex(key), f"{what}\0{order}\0".encode(), hashlib.sha256)
-    expected.update(payload)
-    if not hmac.compare_digest(mac, expected.digest()):
-        raise WireError(f"the {what} of order {order} failed its check: refused")
-    return payload
+    try:
+        return _signer(key).open(Context(f"pool/{what}/{order}", 0), raw)
+    except AuthError:
+        raise WireError(f"the {what} of order {order} failed its check: refused") from None
 
 
 class Conn:
