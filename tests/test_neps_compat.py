@@ -333,3 +333,55 @@ def test_sampling_and_recording_hooks_see_each_sample_and_each_record(
         optimizer="random_search",
     )
     assert seen == ["sample", "record 1", "sample", "record 2"]
+
+
+def test_a_trial_put_back_is_handed_out_first_on_entering_neps_run_again_under_a_new_worker_id(
+    tmp_path: Path,
+) -> None:
+    """What ``run_entering_again`` relies on beyond ``forget_current_trial``: a trial set
+    back to pending (a pool's agent puts back a trial whose ranks were lost) is the one
+    NePS hands out on the next entry, before it samples a new one; NePS refuses a worker
+    id it has seen, and a fresh one (``next_worker_id``) is taken; the root is not wiped
+    again (``overwrite_root_directory`` only on the first entry)."""
+    from neps_bcast.recovery.lease_file import next_worker_id
+
+    class PutBack(BaseException):
+        pass
+
+    root = tmp_path / "root"
+    seen: list[tuple[float, int]] = []
+
+    def evaluate(lr: float, hidden: int) -> float:
+        seen.append((lr, hidden))
+        if len(seen) == 1:
+            with neps_compat.locked_trials(root) as book:
+                assert book is not None
+                book.set_pending(neps_compat.current_trial().trial_id)
+            raise PutBack
+        return lr
+
+    options: dict[str, Any] = {
+        "root_directory": root,
+        "optimizer": "random_search",
+        "total_evaluations_to_spend": 2,
+        "overwrite_root_directory": True,
+        "worker_id": "first",
+    }
+    entries: list[dict[str, Any]] = []
+
+    def run(given: dict[str, Any]) -> None:
+        entries.append(given)
+        neps.run(evaluate, Space(), **given)
+
+    neps_compat.run_entering_again(run, options, PutBack, next_worker_id)
+    assert [e["worker_id"] for e in entries] == ["first", "first-2"]
+    assert [e["overwrite_root_directory"] for e in entries] == [True, False]
+    assert seen[1] == seen[0], "the trial put back was not the next one handed out"
+    states = {tid: t.metadata.state.value for tid, t in recorded(root).items()}
+    assert states == {"1": "success", "2": "success"}, states
+    with pytest.raises(neps.exceptions.NePSError, match="Worker id 'first' already exists"):
+        neps.run(
+            evaluate,
+            Space(),
+            **{**options, "overwrite_root_directory": False, "total_evaluations_to_spend": 3},
+        )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -361,13 +360,9 @@ def _run_neps(
 ) -> None:
     """``neps.run``, entered again after a pool's trial was put back (``TrialPutBack``):
     NePS then hands out that pending trial (or another) as it would at a start."""
-    for entry in itertools.count(2):
-        try:
-            neps_run(wrapped, space, **kwargs)
-        except TrialPutBack:
-            neps_compat.forget_current_trial()
-            kwargs = {**kwargs, "overwrite_root_directory": False}  # never wipe it again
-            if kwargs.get("worker_id") is not None:
-                kwargs["worker_id"] = next_worker_id(str(kwargs["worker_id"]), entry)
-            continue
-        return
+    neps_compat.run_entering_again(
+        lambda options: neps_run(wrapped, space, **options),
+        kwargs,
+        TrialPutBack,
+        next_worker_id,
+    )

@@ -39,6 +39,37 @@ def forget_current_trial() -> None:
     neps.runtime._CURRENTLY_RUNNING_TRIAL_IN_PROCESS = None
 
 
+def run_entering_again(
+    run: Callable[[dict[str, Any]], object],
+    options: dict[str, Any],
+    again: type[BaseException],
+    next_worker_id: Callable[[str, int], str],
+) -> None:
+    """``run(options)`` (``neps.run``), entered again each time it is left with
+    ``again``: a pool's agent leaves NePS's loop with a ``BaseException`` after putting
+    its trial back to pending, and enters it again for the next.
+
+    What it relies on in NePS, each pinned by tests/test_neps_compat.py: a
+    ``BaseException`` out of an evaluation leaves the trial set as running in this
+    process until ``forget_current_trial``; NePS refuses a worker id it has seen, so each
+    entry gets a fresh one (``next_worker_id(worker_id, entry)``, entries from 2); a
+    trial put back to pending is handed out before a new one is sampled; and
+    ``overwrite_root_directory`` would wipe the root at each entry, so only the first
+    may ask for it."""
+    entry = 1
+    while True:
+        try:
+            run(options)
+        except again:
+            forget_current_trial()
+            entry += 1
+            options = {**options, "overwrite_root_directory": False}  # never wipe it again
+            if options.get("worker_id") is not None:
+                options["worker_id"] = next_worker_id(str(options["worker_id"]), entry)
+            continue
+        return
+
+
 def current_trial() -> NepsTrialInfo:
     """The trial NePS is evaluating in this process (call only inside its evaluation)."""
     from neps.runtime import get_in_progress_trial  # private to NePS's runtime module
