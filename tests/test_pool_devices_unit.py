@@ -381,3 +381,17 @@ def test_a_trial_with_an_outcome_or_without_a_limit_is_never_stopped(pool: Pool)
     pool.trials.orders["o2"].answered = True
     pool.endings.end_overdue(1e9)
     assert pool.killed_pids == []  # type: ignore[attr-defined]
+
+
+def test_the_status_line_says_why_devices_are_not_free(pool: Pool) -> None:
+    """A pool starting up (ranks not yet said hello) or replacing ranks is not a stalled
+    one: the status line says which devices are starting, leaving or retired."""
+    for rank in pool.members.ranks.values():
+        rank.proc.code = None  # type: ignore[attr-defined]
+    assert pool.trials.status().startswith("pool: 0 of 2 devices free (2 starting); running:")
+    pool.members.ranks[0].said_hello = True
+    pool.trials.placement.set_available(0, True)
+    pool.members.ranks[1].said_hello, pool.members.ranks[1].retiring = True, True
+    assert pool.trials.status().startswith("pool: 1 of 2 devices free (1 leaving); running:")
+    pool.devices.retired[1] = "its rank failed to start"
+    assert "pool: 1 of 2 devices free (1 retired);" in pool.trials.status()

@@ -185,6 +185,30 @@ class Trials:
             if o.ranks
         )
         return (
-            f"pool: {len(self.placement.free)} of {self.plan.size} devices free;"
+            f"pool: {len(self.placement.free)} of {self.plan.size} devices free{self._not_free()};"
             f" running: {running or 'nothing'}; {len(self.waiting())} waiting; {self.done} done"
         )
+
+    def _not_free(self) -> str:
+        """Devices neither free nor running a trial, and why: their rank is starting (a
+        fresh one, or the first), leaving (recycled, or the search is over), or the
+        device is retired; without it a pool starting up read as a stalled one."""
+        busy = {d for o in self.orders.values() for d in o.ranks if d not in o.free}
+        starting = leaving = 0
+        for index, rank in self.members.ranks.items():
+            if index in self.devices.retired or index in busy or index in self.placement.free:
+                continue
+            if rank.retiring or rank.proc.poll() is not None:
+                leaving += 1
+            elif not rank.said_hello:
+                starting += 1
+        parts = [
+            f"{n} {what}"
+            for n, what in (
+                (starting, "starting"),
+                (leaving, "leaving"),
+                (len(self.devices.retired), "retired"),
+            )
+            if n
+        ]
+        return f" ({', '.join(parts)})" if parts else ""
