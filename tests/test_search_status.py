@@ -24,7 +24,7 @@ import pytest
 from neps_bcast import cli
 from neps_bcast.compat import procfs
 from neps_bcast.config import Settings
-from neps_bcast.launcher import search_status, trial_placement
+from neps_bcast.launcher import search_status, search_text, trial_placement
 from neps_bcast.lease_record import Attempt, Lease, Owner
 from neps_bcast.recovery.lease_file import write_lease
 
@@ -113,7 +113,7 @@ def test_a_finished_search_shows_each_trial_final_state_and_the_best(real_root: 
     assert status.best_config == {"lr": best.objective}
     assert status.budget.evaluations == 6
     assert status.budget.evaluations_limit == 6
-    text = search_status.render(status)
+    text = search_text.render(status)
     assert f"best: trial {best.trial_id}" in text
     assert "budget: 6 of 6 evaluations used" in text
 
@@ -138,7 +138,7 @@ def test_a_running_trial_shows_host_pid_ranks_attempt_and_a_fresh_heartbeat(
     assert trial.stale is None
     assert trial.heartbeat_age_s is not None and trial.heartbeat_age_s < 60
     assert trial.elapsed_s is not None and trial.elapsed_s >= 5
-    text = search_status.render(status_of(root))
+    text = search_text.render(status_of(root))
     line = next(row for row in text.splitlines() if row.startswith("2 "))
     assert f"{me.host} pid {me.pid}, 2 ranks" in line
 
@@ -153,7 +153,7 @@ def test_a_dead_leader_on_this_machine_makes_its_lease_stale(
     write_lease(trial_dir(root, "1"), Lease("1", gone, now - 5, now - 1))
     trial = status_of(root).trials[0]
     assert trial.stale == f"its leader (pid {gone.pid} on {gone.host}) is gone"
-    assert "STALE: its leader" in search_status.render(status_of(root))
+    assert "STALE: its leader" in search_text.render(status_of(root))
 
 
 def test_a_leader_elsewhere_is_stale_only_after_the_grace(real_root: Path, tmp_path: Path) -> None:
@@ -185,7 +185,7 @@ def test_a_pool_shows_each_device_and_the_trial_on_it(real_root: Path, tmp_path:
     assert status.trials[0].devices == (0, 1)
     assert status.trials[0].ranks == 2
     assert status.trials[0].rank_pids == (1, 2)
-    text = search_status.render(status)
+    text = search_text.render(status)
     assert f"pool {socket.gethostname()} device 2: free" in text
     assert "devices 0,1 (rank pids 1,2)" in text
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from neps_bcast.errors import LaunchError, SettingsError, format_message
-from neps_bcast.launcher import groups, plan, search_status
+from neps_bcast.launcher import groups, plan, search_status, search_text
 from neps_bcast.pool import launcher as pool
 
 USAGE_EXAMPLE = "neps-bcast launch --groups 4 --nproc-per-group 2 train.py --trials 40"
@@ -232,7 +232,7 @@ def show_status(args: argparse.Namespace) -> int:
         root = search_status.check_root(args.root)
         while True:
             status = search_status.read_status(root)
-            text = status.to_json() if args.json else search_status.render(status)
+            text = status.to_json() if args.json else search_text.render(status)
             if args.watch is not None and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
             sys.stdout.write(text + "\n")
