@@ -347,3 +347,23 @@ def test_a_result_that_does_not_pickle_is_an_error_naming_why() -> None:
 
     with pytest.raises(NepsBcastError, match=r"trial 7's result cannot be sent to its agent:"):
         pool_rank.sealed_result(wire.new_key(), "o1", lambda: 1, "7", "[neps_bcast]")
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (0, 2), (1, 2), (3, 4)])
+def test_a_trials_launch_comes_from_its_order_not_the_process_environment(
+    rank: int, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm rank's start reads its trial's rendezvous from the order (the same
+    variables the user's code finds in the environment), never from whatever the
+    process's environment holds."""
+    from neps_bcast.startup.launch import detect
+
+    order = {"rank": rank, "world": world, "port": 29511, "order": "o7"}
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("WORLD_SIZE", "99")
+    launch = detect(trial_environment(order))
+    assert launch.kind == ("external" if world > 1 else "single")
+    if world > 1:
+        assert (launch.global_rank, launch.world_size) == (rank, world)
+        assert (launch.main_address, launch.main_port) == ("127.0.0.1", 29511)
+        assert launch.is_single_node is True

@@ -202,7 +202,9 @@ def _run_order(
 ) -> bool:
     """This rank's part of one trial; True when it ended cleanly here."""
     names_for_a_new_store()
-    launch = detect()
+    # This rank's part, from the order itself; the same variables are in the process's
+    # environment only for the user's code (init_process_group, Lightning, Fabric).
+    launch = detect(trial_environment(order))
     rt = Runtime(launch, settings, Signer(new_secret()))
     rt.devices = tuple(int(d) for d in order["devices"])
     with rt.activated():

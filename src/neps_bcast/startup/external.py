@@ -96,7 +96,7 @@ def start_in_pool(
     trial's start, placed to every rank in the function, 90-195 ms with the handshake,
     docs/architecture.md has the figures without it."""
     join_timeout = datetime.timedelta(seconds=settings.join_timeout_s)
-    store = rendezvous.rendezvous_store(launch, join_timeout)
+    store = rendezvous.rendezvous_store(launch, join_timeout, agent_serves=True)
     signer.use(secret, auth.search_id(order.encode(), []))
     link.loopback = True  # a pool is one host
     if launch.global_rank == 0:

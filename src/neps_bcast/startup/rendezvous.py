@@ -103,11 +103,19 @@ def _compact(text: str) -> str:
     return f"{text[:120]}... ({len(text)} characters, sha256 {digest})"
 
 
-def rendezvous_store(launch: Launch, timeout: datetime.timedelta) -> tc.Store:
-    """The store every rank of this launch can reach (see the module docstring)."""
+def rendezvous_store(
+    launch: Launch, timeout: datetime.timedelta, agent_serves: bool | None = None
+) -> tc.Store:
+    """The store every rank of this launch can reach (see the module docstring).
+    ``agent_serves``: the launcher's agent serves it (None: as torchrun says, by
+    ``TORCHELASTIC_USE_AGENT_STORE``; a pool's trial passes True)."""
     assert launch.main_address is not None
     assert launch.main_port is not None
-    use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    use_agent_store = (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if agent_serves is None
+        else agent_serves
+    )
     is_server = launch.global_rank == 0 and not use_agent_store
     try:
         return tc.TCPStore(
