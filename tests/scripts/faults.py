@@ -45,8 +45,9 @@ several are separated by commas.
   ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
   sends it), ``sigkill_in`` (a thread SIGKILLs the process ``s`` seconds later),
   ``kill_parent`` (SIGKILL to the parent: a Lightning child kills its leader), ``sleep``
-  (``s`` seconds), ``hold`` (waits, 180 s at most, until the file ``until`` exists: a
-  path without ``:`` or ``,``). Two
+  (``s`` seconds), ``hang`` (waits for ever: what only the launcher's
+  ``--trial-time-limit`` ends), ``hold`` (waits, 180 s at most, until the file ``until``
+  exists: a path without ``:`` or ``,``). Two
   kinds are asked for by name instead of at a point: ``too_many_devices`` (``devices``:
   the Trainer asks for one device more than the group has) and ``unpicklable``
   (tests/scripts/space_tools.py: NePS builds an argument that cannot be pickled).
@@ -213,6 +214,8 @@ def at(point: str, upcoming: bool = False) -> None:
         if f.kind == "sleep":
             time.sleep(f.seconds)  # the fault itself: a slow step, observed from outside
             record("slept", where=point, seq=SEQ["n"], rank=my_rank())
+        if f.kind == "hang":
+            threading.Event().wait()  # never set: a deadlock in the user's code
         if f.kind == "hold":
             deadline = time.monotonic() + 180
             while not Path(f.until).exists() and time.monotonic() < deadline:

@@ -578,6 +578,11 @@ POOL_FAULTS = (
     Fault("raise", "an exception at the step (rank 1's; the agent's at its steps)", "raise"),
     Fault("kill_agent", "SIGKILL to the trial's agent (its NePS worker)", "sigkill", "agent"),
     Fault(
+        "hang",
+        "rank 1 hangs in the user's code (a deadlock): only `--trial-time-limit` ends it",
+        "hang",
+    ),
+    Fault(
         "term_launcher",
         "SIGTERM to the launcher (`neps-bcast launch --pool`)",
         "sigterm",
@@ -635,6 +640,23 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
         return Unreachable(
             "the agent's steps run in the agent; the ranks are idle or in a trial"
             " (the rank steps' cells)"
+        )
+    if fault.kind == "hang" and point.name != "fit":
+        return Unreachable(
+            "only the user's code can hang: every wait of neps_bcast's own is bounded"
+            if point.owner == "rank"
+            else "the agent's steps are NePS's and neps_bcast's, each bounded"
+        )
+    if fault.kind == "hang":
+        return PoolExpect(
+            "pool_lost",
+            S({OK}),
+            True,
+            S({-9}),
+            S({-9}),
+            S({0}),
+            "rank 0 waits for rank 1 in DDP's allreduce; past `--trial-time-limit` (30 s"
+            " in the sweep) the launcher SIGKILLs both and the trial runs again",
         )
     if fault.kind == "raise" and point.owner == "rank" and point.name != "fit":
         return Unreachable(
@@ -809,6 +831,7 @@ POOL_CHAINS: dict[str, tuple[tuple[str, str], ...]] = {
         ("handed", "kill_r1"),
         ("fit", "term_ranks"),
         ("fit", "raise"),
+        ("fit", "hang"),
         ("exchange", "kill_r1"),
         ("done", "kill_r0"),
     ),

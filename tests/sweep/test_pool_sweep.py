@@ -43,6 +43,9 @@ SCRIPT = Path(__file__).with_name("pool_fault_search.py")
 LAUNCH_S = 540.0
 """A chain's one launch: up to nine faults, each costing fresh processes (~7 s of CPU
 each to import torch and NePS), on a loaded 2-core machine."""
+TRIAL_TIME_LIMIT_S = 30
+"""``--trial-time-limit`` of every chain: what ends the ``hang`` cell's trial; far above a
+trial's few steps (seconds), even on a loaded 2-core machine."""
 S = frozenset
 
 
@@ -81,6 +84,8 @@ class PoolChain:
             "launch",
             "--pool",
             "2",
+            "--trial-time-limit",
+            str(TRIAL_TIME_LIMIT_S),
             str(SCRIPT),
             "--trials",
             str(self.budget),
