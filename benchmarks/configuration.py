@@ -205,6 +205,19 @@ CURVE_B = PoolCurve(
 up to 27: the rule was chosen by the calculation in pool_bench.md before measuring. 65
 evaluations: one whole hyperband iteration (every bracket once); with 40 (the first
 bracket) NePS's 8 workers spent the budget before any trial reached 9 epochs."""
+CURVE_C = PoolCurve(
+    name="C",
+    max_epochs=27,
+    fixed_epochs=0.0,
+    serial_fraction=0.01,
+    rule=((1, 1), (3, 2), (9, 4), (27, 8)),
+    evaluations=75,
+)
+"""Data-parallel scaling as on one NVLink node: nothing fixed per trial, Amdahl s = 0.01,
+so a trial on 8 ranks costs 1.07x the device-seconds of one rank; fidelity up to 27, the
+top rung on all 8 devices (rule and prediction in pool_bench.md, stated before measuring).
+75 evaluations: one whole hyperband iteration (65) plus 10, since 8 workers sample the next
+iteration while a rung waits (curve B's pool ran 6 of the iteration's 8 top-rung trials)."""
 
 
 @dataclass(frozen=True)
@@ -233,14 +246,18 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
         curves=(
             PoolCurve("A", 9, 0.0, 0.1, ((1, 1), (3, 2), (9, 4)), 12),
             PoolCurve("B", 27, 1.0, 0.02, ((3, 1), (9, 2), (27, 4)), 12),
+            PoolCurve("C", 27, 0.0, 0.01, ((1, 1), (3, 2), (9, 4), (27, 4)), 12),
         ),
         runs=1,
         deadline_s=420,
     ),
     # make bench-full: curve A 8-17 min on 2 cores (by the load of the machine), most of it
     # the launches' start-up (up to 16 processes importing torch and NePS), left out of every
-    # search wall; curve B longer (search walls ~60-150 s, calculation in pool_bench.md).
-    "full": PoolConfig(devices=8, t_epoch=1.0, curves=(CURVE_A, CURVE_B), runs=1, deadline_s=900),
+    # search wall; curves B and C longer (search walls ~50-150 s, calculations in
+    # pool_bench.md).
+    "full": PoolConfig(
+        devices=8, t_epoch=1.0, curves=(CURVE_A, CURVE_B, CURVE_C), runs=1, deadline_s=900
+    ),
 }
 
 

@@ -1,6 +1,6 @@
 """The right-sized pool section: ``--pool D`` against every fixed layout, one run, interleaved.
 
-Per stated speedup curve (``PoolConfig.curves``: A, then B), every launch runs
+Per stated speedup curve (``PoolConfig.curves``: A, B, then C), every launch runs
 ``workloads/pool_sim.py`` (a hyperband search on D simulated devices, see its docstring)
 under ``_supervise.py`` (``measurement.supervised``), with the same curve and budget:
 ``neps-bcast launch --pool D`` and ``--groups G --nproc-per-group N`` for every G x N = D. What each launch recorded (the ranks' JSON
@@ -17,6 +17,8 @@ import re
 import statistics
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from configuration import (
     POOL_SCHEDULING_GOAL_MS,
@@ -147,6 +149,7 @@ def measure_layout(
     trials = neps_trials(folder / "root")
     succeeded = sum(1 for trial in trials if trial["state"] == "success")
     events = agent_events(folder / "logs") if is_pool(key) else {}
+    objectives = neps_objectives(folder / "root")
     result: Record = {
         "layout": key,
         "curve": curve.name,
@@ -154,12 +157,14 @@ def measure_layout(
         "trials_recorded": len(trials),
         "left": len(record["left"]),
         **launch_figures(rows, trials, events, record, config, curve),
+        **best_known(work_rows(rows), objectives),
     }
     if record["exit_code"] != 0:
         result["error"] = logs_error(folder / "logs") or result["error"]
     result["work"] = work_rows(rows)
     note = (
         f"search wall={fmt(result['search_wall_s'])}s util={fmt(result['utilization'], 2)}"
+        f" best known at={fmt(result['time_to_best_s'])}s"
         f" start-up={fmt(result['startup_s'])}s "
     )
     finish(name, record, result, raw_dir, note)
@@ -171,6 +176,40 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 
 # ----------------------------------------------------------------------------- per launch
+def neps_objectives(root: Path) -> dict[str, float]:
+    """Per trial id, the objective NePS recorded (``report.yaml`` beside its metadata)."""
+    objectives = {}
+    for path in sorted((root / "configs").glob("*/report.yaml")):
+        try:
+            report = yaml.safe_load(path.read_text()) or {}
+            trial_id = json.loads((path.parent / "metadata.json").read_text())["id"]
+        except (OSError, ValueError, KeyError, yaml.YAMLError):
+            continue  # a trial file cut off by a kill
+        if isinstance(report.get("objective_to_minimize"), int | float):
+            objectives[trial_id] = float(report["objective_to_minimize"])
+    return objectives
+
+
+def best_known(work: list[Record], objectives: dict[str, float]) -> Record:
+    """When the search's final best objective was first known: seconds from the search's
+    start (the first device work) to the end of the device work of the trial that produced
+    it (the earliest such trial on a tie); that trial's objective and shape."""
+    ends: dict[str, float] = {}
+    for row in work:
+        ends[row["trial"]] = max(ends.get(row["trial"], row["end"]), row["end"])
+    scored = [trial for trial in ends if trial in objectives]
+    if not scored:
+        return {"time_to_best_s": None, "best_objective": None, "best_trial": None}
+    best = min(objectives[trial] for trial in scored)
+    trial = min((t for t in scored if objectives[t] == best), key=ends.__getitem__)
+    shape = next(row for row in work if row["trial"] == trial)
+    return {
+        "time_to_best_s": ends[trial] - min(row["start"] for row in work),
+        "best_objective": best,
+        "best_trial": f"{trial}: {shape['epochs']} ep on {shape['world']}",
+    }
+
+
 def work_rows(rows: list[Record]) -> list[Record]:
     """Each rank's device work of each trial (its last attempt), in start order."""
     last_attempt: dict[str, int] = {}
@@ -369,6 +408,7 @@ def measure_pool_section(config: PoolConfig, tmp: Path, raw_dir: Path = RAW) -> 
 
 SCALARS = (
     "search_wall_s",
+    "time_to_best_s",
     "utilization",
     "idle_tail_s",
     "startup_s",
@@ -444,6 +484,7 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
             runs=len(completed),
             runs_total=len(runs),
             trial_mix=completed[0]["trial_mix"] if completed else {},
+            best_trial=completed[0].get("best_trial") if completed else None,
             warm_sched_ms_by_world=completed[0].get("warm_sched_ms_by_world", {})
             if completed
             else {},

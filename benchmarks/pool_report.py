@@ -2,7 +2,7 @@
 
 ``pool_section`` renders the section from ``summary["pool"]`` (``pool_bench.summarize_pool``:
 one summary per speedup curve); ``pool_headline_row`` is the one row the README can copy
-(the last curve's, B: the curve where right-sizing should pay); ``save_pool_plots`` draws,
+(the last curve's: C, wide trials as cheap as narrow ones); ``save_pool_plots`` draws,
 per curve, device occupancy over time (one row per device, one colour per trial) of the pool
 and the best fixed layout to ``results/pool_occupancy_<curve>.png``.
 """
@@ -102,6 +102,7 @@ def layouts_table(pool: Summary) -> str:
                 number(entry["wall_bound_s"], 1),
                 number(wall, 1),
                 ratio,
+                f"{number(entry.get('time_to_best_s'), 1)} ({entry.get('best_trial') or 'n/a'})",
                 percent(entry["utilization"]),
                 number(entry["idle_tail_s"], 1),
                 f"{number(entry['startup_s'], 1)} ({number(entry['imports_s'], 1)})",
@@ -114,7 +115,8 @@ def layouts_table(pool: Summary) -> str:
     header = (
         "layout | runs completed | trials trained: how many of (epochs, ranks) | epochs"
         " | device-s busy / of the curve alone | wall no placement beats (s)"
-        " | search wall (s) | / best fixed | device utilization | idle tail (s)"
+        " | search wall (s) | / best fixed | best result known at (s) (the trial: epochs on"
+        " ranks) | device utilization | idle tail (s)"
         " | start-up, left out (s) (of it: imports) | shutdown (s) | CPU-s of the launch"
         " | processes left | errors"
     )
@@ -263,6 +265,10 @@ columns "after first trials".
   all-reduces); *of the curve alone*: what the trials trained ask of the curve, the sum
   over trials of k x the trial's device time. *Wall no placement beats*: the larger of
   the curve's device-seconds / {devices} and the longest trial.
+- *best result known at*: the search's start (first device work) -> the end of the device
+  work of the trial that produced the search's final best objective (NePS's `report.yaml`
+  of each trial): when the result was first known. One draw per launch (each launch
+  samples its own configurations); n/a for launches measured before it was recorded.
 - *device utilization*: busy device-seconds (each rank's device work) / ({devices} x the
   search wall). *idle tail*: from the moment fewer than half the devices are busy for good
   to the end of the search wall.

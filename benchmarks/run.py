@@ -14,7 +14,8 @@ layouts on D simulated devices) is part of ``--full`` only; ``--only pool`` runs
 (quick: a small pool of 4 to develop with), and with ``--save`` also writes
 ``pool_<mode>.json``, its figures, and its section of REPORT.md (replaced in place);
 ``--curves B`` measures only that curve and rebuilds the section from the raw JSON of every
-curve in ``results/raw/pool_<mode>/`` (the others' from their last run).
+curve in ``results/raw/pool_<mode>/`` (the others' from their last run; a curve with no raw
+JSON left keeps its summary from the last ``pool_<mode>.json``).
 Measures only: nothing here asserts a time. The parts: ``configuration`` (what a mode
 measures), ``measurement`` (launching ``workloads/`` under ``_supervise.py``), ``analysis``
 (statistics), ``report`` (REPORT.md, whose Headline table the README copies), ``plots``.
@@ -110,7 +111,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--curves",
-        help="with --only pool: the pool section's curves to measure, comma-separated (A,B);"
+        help="with --only pool: the pool section's curves to measure, comma-separated (A,B,C);"
         " with --save the others' figures come from their raw JSON of an earlier run",
     )
     args = parser.parse_args()
@@ -184,6 +185,7 @@ def only_pool(mode: Mode, *, keep: bool, save: bool, curves: tuple[str, ...] | N
     if save:  # every curve's launches: this run's and, for the others, their last run's
         launches = read_raw_launches(raw_dir)
     summary = {"pool": summarize_pool(launches, pool_config if save else measured)}
+    kept = keep_earlier_curves(summary["pool"], RESULTS / f"pool_{mode}.json") if save else []
     print(json.dumps(summary, indent=1))
     print(markdown_table(MAIN_HEADER.rpartition(" | ")[0], [pool_headline_row(summary)]) + "\n")
     if save:
@@ -197,7 +199,15 @@ def only_pool(mode: Mode, *, keep: bool, save: bool, curves: tuple[str, ...] | N
         }
         (RESULTS / f"pool_{mode}.json").write_text(json.dumps(document, indent=1))
         save_pool_plots(summary, launches)
-        when = "; ".join(f"curve {name} {measured_when(launches, name)}" for name in names)
+        when = "; ".join(
+            f"curve {name} "
+            + (
+                "kept from the earlier pool_full.json (no raw JSON left)"
+                if name in kept
+                else measured_when(launches, name)
+            )
+            for name in names
+        )
         note = (
             f"Measured by itself (not inside make bench-full; other jobs ran on the machine, see the load below): `OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --{mode}"
             f" --only pool{' --curves ' + ','.join(chosen) if curves else ''} --save`"
@@ -211,6 +221,25 @@ def only_pool(mode: Mode, *, keep: bool, save: bool, curves: tuple[str, ...] | N
     else:
         print(pool_section(summary))
     progress(f"done in {seconds / 60:.1f} min")
+
+
+def keep_earlier_curves(pool: dict, earlier: Path) -> list[str]:
+    """The curves of ``pool`` with no launch at all (their raw JSON gone: it is git-ignored)
+    take their summary from ``earlier`` (the last ``pool_<mode>.json``), if it has them;
+    their names."""
+    if not earlier.exists():
+        return []
+    before = {
+        curve["curve"]: curve
+        for curve in json.loads(earlier.read_text())["summary"]["pool"]["curves"]
+    }
+    kept = []
+    for index, curve in enumerate(pool["curves"]):
+        empty = all(entry["runs_total"] == 0 for entry in curve["layouts"].values())
+        if empty and curve["curve"] in before:
+            pool["curves"][index] = before[curve["curve"]]
+            kept.append(curve["curve"])
+    return kept
 
 
 def measured_when(launches: list[dict[str, object]], curve: str) -> str:
