@@ -56,6 +56,28 @@ MISMATCHED = SCRIPTS / "mismatched_ranks.py"
 """Rank 1 skips neps_bcast.run, or calls it with other arguments (torchrun)."""
 FAKE_SRUN = SCRIPTS / "fake_srun.py"
 PYTHON = sys.executable
+NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
+
+
+def pool_launch(
+    tmp: Path,
+    script: Path,
+    trials: int,
+    *script_args: str,
+    pool: int = 2,
+    name: str = "run",
+    options: Sequence[str] = (),
+) -> list[str]:
+    """``neps-bcast launch --pool`` as every pool test runs it: the launcher's
+    ``options``, its logs under ``tmp/name/logs``, then the script with ``script_args``,
+    ``--trials`` and the NePS root ``tmp/root`` (``--root``)."""
+    return [
+        NEPS_BCAST, "launch", "--pool", str(pool), *options,
+        "--log-dir", str(tmp / name / "logs"),
+        str(script), *script_args, "--trials", str(trials), "--root", str(tmp / "root"),
+    ]  # fmt: skip
+
+
 TORCHRUN = str(Path(PYTHON).with_name("torchrun"))
 MARKER = "NB_LAUNCH_MARKER"
 HANG_S = 180.0

@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 
-from harness import PYTHON, SCRIPTS, Result, Running, start, states
+from harness import SCRIPTS, Result, Running, pool_launch, start, states
 from neps_bcast.compat import procfs
 from neps_bcast.recovery.lease_file import read_lease
 
-NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
 SCRIPT = SCRIPTS / "pool_search.py"
 POOL = 4
 
@@ -33,22 +32,8 @@ def pool_command(
 ) -> list[str]:
     """The launch (its logs under ``tmp_path/name``); the NePS root is ``tmp_path/root``,
     the same for every launch of a test; ``extra``: more of the launcher's options."""
-    return [
-        NEPS_BCAST,
-        "launch",
-        "--pool",
-        str(pool),
-        *extra,
-        "--status-interval",
-        "2",
-        "--log-dir",
-        str(tmp_path / name / "logs"),
-        str(SCRIPT),
-        "--root",
-        str(tmp_path / "root"),
-        "--trials",
-        str(trials),
-    ]
+    options = (*extra, "--status-interval", "2")
+    return pool_launch(tmp_path, SCRIPT, trials, pool=pool, name=name, options=options)
 
 
 def start_pool(
@@ -200,20 +185,7 @@ class TestFabricTrialsInAPool:
     @pytest.fixture(scope="class")
     def launch(self, tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
         tmp = tmp_path_factory.mktemp("pool_fabric")
-        command = [
-            NEPS_BCAST,
-            "launch",
-            "--pool",
-            "2",
-            "--log-dir",
-            str(tmp / "run" / "logs"),
-            str(SCRIPTS / "fabric_search.py"),
-            "--pool-sized",
-            "--trials",
-            str(self.TRIALS),
-            "--root",
-            str(tmp / "root"),
-        ]
+        command = pool_launch(tmp, SCRIPTS / "fabric_search.py", self.TRIALS, "--pool-sized")
         return start(command, tmp, name="run", timeout=420.0).finish(), tmp
 
     def test_every_trial_is_a_success_and_nothing_is_left(

@@ -13,31 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import PYTHON, SCRIPTS, Result, assert_nothing_left, start, states
+from harness import SCRIPTS, Result, assert_nothing_left, pool_launch, start, states
 
 SCRIPT = SCRIPTS / "weights_search.py"
-NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
 TRIALS = 4
 
 
 def launch_pool(tmp: Path, broken: str) -> Result:
-    command = [
-        NEPS_BCAST,
-        "launch",
-        "--pool",
-        "2",
-        "--log-dir",
-        str(tmp / "run" / "logs"),
-        str(SCRIPT),
-        "--pool-ranks",
-        "1",
-        "--size",
-        "64",
-        "--trials",
-        str(TRIALS),
-        "--root",
-        str(tmp / "root"),
-    ]
+    command = pool_launch(tmp, SCRIPT, TRIALS, "--pool-ranks", "1", "--size", "64")
     env = {"NB_BROKEN_DEVICES": broken}
     if broken != "all":  # the trials wait for the retirement: the search outlasts it
         env["NB_WAIT_FOR"] = f"{tmp / 'run' / 'launcher.log'}::is retired"

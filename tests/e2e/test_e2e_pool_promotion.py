@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 
-from harness import PYTHON, SCRIPTS, Result, neps_trials, start, states
+from harness import SCRIPTS, Result, neps_trials, pool_launch, start, states
 
-NEPS_BCAST = str(Path(PYTHON).with_name("neps-bcast"))
 REPO = Path(__file__).resolve().parents[2]
 TRIALS = 8
 """Successive halving (eta 3) on epochs 1 and 3 promotes one of every 3 first-rung
@@ -29,20 +28,7 @@ trials: with 2 agents the first promotion is sampled by the 5th trial at the lat
 
 
 def launch_pool(tmp: Path, script: Path) -> Result:
-    command = [
-        NEPS_BCAST,
-        "launch",
-        "--pool",
-        "2",
-        "--log-dir",
-        str(tmp / "run" / "logs"),
-        str(script),
-        "--trials",
-        str(TRIALS),
-        "--root",
-        str(tmp / "root"),
-    ]
-    return start(command, tmp, timeout=420.0).finish()
+    return start(pool_launch(tmp, script, TRIALS), tmp, timeout=420.0).finish()
 
 
 def pool_logs(result: Result) -> str:
