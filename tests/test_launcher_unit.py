@@ -237,6 +237,10 @@ def test_cli_errors_exit_2_with_the_message(
     assert "--trial-time-limit is for a pool (--pool D)" in capsys.readouterr().err
     assert cli.main(["launch", "--pool", "1", "--trial-time-limit", "0", str(script)]) == 2
     assert "--trial-time-limit 0: a limit must be a positive" in capsys.readouterr().err
+    assert cli.main(["launch", "--nproc-per-group", "1", "--agents", "2", str(script)]) == 2
+    assert "--agents is for a pool (--pool D)" in capsys.readouterr().err
+    assert cli.main(["launch", "--pool", "2", "--agents", "0", str(script)]) == 2
+    assert "--agents 0: a pool needs at least one agent" in capsys.readouterr().err
 
 
 LEADER_LOG = """\

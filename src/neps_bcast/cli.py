@@ -74,6 +74,15 @@ def parser() -> argparse.ArgumentParser:
         " a lost rank, up to NEPS_BCAST_MAX_RETRIES times, then crashed (default: none)",
     )
     launch.add_argument(
+        "--agents",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --pool: N NePS workers that sample the trials (default D). More than D"
+        " samples ahead: a trial is sampled while the devices are busy and starts as soon"
+        " as they are free, so no device waits on a slow sampler (Bayesian optimization)",
+    )
+    launch.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -174,6 +183,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     " Lightning's Trainer(max_time=...)).",
                 )
             )
+        if args.agents is not None:
+            raise LaunchError(
+                format_message(
+                    plan.TAG,
+                    "--agents is for a pool (--pool D): each group is one NePS worker.",
+                    "pass --pool D with it, or more groups (--groups) for more workers.",
+                )
+            )
         the_plan = plan.plan(request, plan.visible_devices(os.environ, cuda_device_count()))
     except LaunchError as exc:
         sys.stderr.write(f"{exc}\n")
@@ -193,7 +210,7 @@ def pool_plan(args: argparse.Namespace, request: plan.LaunchRequest) -> pool.Poo
                 " --groups/--nproc-per-group.",
             )
         )
-    pool.check(args.pool, args.trial_time_limit)
+    pool.check(args.pool, args.trial_time_limit, args.agents)
     # The same checks as a group of D ranks: the script, --devices, one device each.
     one_group = plan.plan(
         plan.LaunchRequest(
@@ -214,6 +231,7 @@ def pool_plan(args: argparse.Namespace, request: plan.LaunchRequest) -> pool.Poo
         script_args=request.script_args,
         log_dir=request.log_dir / "pool",
         trial_time_limit_s=args.trial_time_limit,
+        agents=args.agents if args.agents is not None else args.pool,
     )
 
 

@@ -79,13 +79,23 @@ def assert_nothing_left(result: Result, folder: Path) -> None:
 
 # -- trials of sizes 1, 2 and 4, side by side where they fit --------------------------------
 class TestAPoolRunsTrialsOfTheirOwnSize:
+    """With more agents than devices (``--agents``): trials are sampled ahead of free devices."""
+
     TRIALS = 12
+    AGENTS = 6
 
     @pytest.fixture(scope="class")
     def launch(self, tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
         tmp = tmp_path_factory.mktemp("pool")
-        result = start_pool(tmp, "run", self.TRIALS, POOL_SLOW="1").finish()
+        agents = ("--agents", str(self.AGENTS))
+        result = start_pool(tmp, "run", self.TRIALS, extra=agents, POOL_SLOW="1").finish()
         return result, tmp
+
+    def test_the_pool_started_as_many_agents_as_asked(self, launch: tuple[Result, Path]) -> None:
+        result, tmp = launch
+        assert f"pool of {POOL} ranks on CPU and {self.AGENTS} agents;" in result.log
+        agents = sorted(path.name for path in (tmp / "run" / "logs" / "pool").glob("agent*.log"))
+        assert agents == [f"agent{i}.log" for i in range(self.AGENTS)]
 
     def test_the_launcher_exits_0_and_nothing_is_left(self, launch: tuple[Result, Path]) -> None:
         result, tmp = launch

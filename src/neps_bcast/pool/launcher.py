@@ -74,17 +74,19 @@ class Pool:
         for old in [*self.plan.log_dir.glob("agent*.log"), *self.plan.log_dir.glob("rank*.log")]:
             old.unlink()
         self.server.bind(self.members.path)
-        self.server.listen(4 * self.plan.size + 8)
+        self.server.listen(2 * (self.plan.size + self.plan.agent_count) + 8)
         where = f"devices {','.join(self.plan.devices)}" if self.plan.devices is not None else "CPU"
         self.display.say(
-            f"pool of {self.plan.size} ranks on {where} and {self.plan.size} agents;"
+            f"pool of {self.plan.size} ranks on {where} and {self.plan.agent_count} agents;"
             f" logs {self.plan.log_dir}/"
         )
         try:
             with self.signals.installed():
-                for index in range(self.plan.size):
-                    self.members.start("rank", index)
-                    self.members.start("agent", index)
+                for index in range(max(self.plan.size, self.plan.agent_count)):
+                    if index < self.plan.size:
+                        self.members.start("rank", index)
+                    if index < self.plan.agent_count:
+                        self.members.start("agent", index)
                 while self._step(time.monotonic()):
                     self._wait(0.5)
                 left = self.supervisor.clean_up()
@@ -251,7 +253,7 @@ class Pool:
         return code if code > 0 else 1
 
 
-def check(size: int, trial_time_limit_s: float | None = None) -> None:
+def check(size: int, trial_time_limit_s: float | None = None, agents: int | None = None) -> None:
     """Refuse a pool that cannot run, before anything starts (devices are checked as
     for one group of ``size`` ranks, ``plan.plan``)."""
     if size < 1:
@@ -267,6 +269,14 @@ def check(size: int, trial_time_limit_s: float | None = None) -> None:
                 f"--trial-time-limit {trial_time_limit_s:g}: a limit must be a positive"
                 " number of seconds.",
                 "pass e.g. --trial-time-limit 3600, or leave it out for no limit.",
+            )
+        )
+    if agents is not None and agents < 1:
+        raise LaunchError(
+            format_message(
+                TAG,
+                f"--agents {agents}: a pool needs at least one agent (a NePS worker).",
+                f"pass --agents 1 or more, or leave it out for one per device ({size}).",
             )
         )
 

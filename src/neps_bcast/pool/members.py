@@ -28,7 +28,7 @@ ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
 @dataclass(frozen=True)
 class PoolPlan:
     size: int
-    """D: devices, warm ranks and agents."""
+    """D: devices and warm ranks."""
     devices: tuple[str, ...] | None
     """GPU entries (``CUDA_VISIBLE_DEVICES`` of every process); None on CPU."""
     script: Path
@@ -37,6 +37,12 @@ class PoolPlan:
     trial_time_limit_s: float | None = None
     """``--trial-time-limit``: a trial still running this long after it was placed is
     stopped and goes back to pending (None: no limit)."""
+    agents: int = 0
+    """``--agents``: NePS workers (0: D). More than D sample trials ahead of free devices."""
+
+    @property
+    def agent_count(self) -> int:
+        return self.agents or self.size
 
 
 @dataclass
