@@ -142,6 +142,21 @@ def make_space(max_epochs: int) -> neps.PipelineSpace:
     return Space()
 
 
+def make_space_without_fidelity() -> neps.PipelineSpace:
+    """``--epochs E``: every trial trains E epochs; two floats for the sampler to model."""
+
+    class Space(neps.PipelineSpace):
+        x = neps.Float(0.0, 1.0)
+        y = neps.Float(0.0, 1.0)
+
+    return Space()
+
+
+def evaluate_fixed_epochs(x: float, y: float) -> float:
+    """``--epochs E`` (no fidelity, e.g. Bayesian optimization): E epochs every trial."""
+    return evaluate_pipeline(x + 0.1 * (y - 0.5) ** 2, ARGS.epochs)
+
+
 def wait_for_everyone(expect: int, timeout_s: float = 900.0) -> None:
     """The start barrier: until ``expect`` processes of the launch wrote ``ready``."""
     folder = Path(ARGS.records) / "ready"
@@ -177,14 +192,29 @@ def main() -> None:
         help="pool only: EPOCHS:RANKS,... a trial's ranks by its epochs (first bound not exceeded)",
     )
     parser.add_argument(
+        "--optimizer",
+        default="hyperband",
+        help="NePS optimizer: hyperband (over the fidelity epochs, eta 3), or one without a"
+        " fidelity (e.g. bayesian_optimization, random_search) with --epochs",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="no fidelity: every trial trains this many epochs (its size by --rule)",
+    )
+    parser.add_argument(
         "--preimport-lightning",
         action="store_true",
         help="import Lightning's cluster environments before the barrier (a Lightning script"
         " has them imported anyway); else a pool rank imports them in its first trial",
     )
     ARGS = parser.parse_args()
-    if ARGS.rule[-1][0] < ARGS.max_epochs:
-        parser.error(f"--rule's last bound {ARGS.rule[-1][0]} < --max-epochs {ARGS.max_epochs}")
+    most = ARGS.max_epochs if ARGS.epochs is None else ARGS.epochs
+    if ARGS.rule[-1][0] < most:
+        parser.error(f"--rule's last bound {ARGS.rule[-1][0]} < the most epochs, {most}")
+    if (ARGS.epochs is None) != (ARGS.optimizer == "hyperband"):
+        parser.error("--epochs goes with an optimizer without a fidelity, and only then")
     if ARGS.preimport_lightning:
         import lightning.fabric.plugins.environments  # noqa: F401
     logging.basicConfig(
@@ -203,14 +233,19 @@ def main() -> None:
         released=time.time(),
     )
     in_pool = bool(os.environ.get("NEPS_BCAST_POOL_ROLE"))
+    fidelity = ARGS.epochs is None
     run_search(
-        evaluate_pipeline,
-        pipeline_space=make_space(ARGS.max_epochs),
+        evaluate_pipeline if fidelity else evaluate_fixed_epochs,
+        pipeline_space=make_space(ARGS.max_epochs) if fidelity else make_space_without_fidelity(),
         root_directory=ARGS.root,
         total_evaluations_to_spend=ARGS.evaluations,
-        optimizer=("hyperband", {"eta": ETA}),
+        optimizer=("hyperband", {"eta": ETA}) if fidelity else ARGS.optimizer,
         # Only a pool takes it (elsewhere every trial has the launch's size).
-        **({"ranks_per_trial": lambda config: ranks_for(config["epochs"])} if in_pool else {}),
+        **(
+            {"ranks_per_trial": lambda config: ranks_for(config.get("epochs", ARGS.epochs))}
+            if in_pool
+            else {}
+        ),
     )
 
 
