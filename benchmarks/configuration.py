@@ -168,6 +168,15 @@ class PoolCurve:
     """The pool's right-sizing: (up to this many epochs, ranks), ascending."""
     evaluations: int
     """The search's budget, every layout: ``total_evaluations_to_spend``."""
+    optimizer: str = "hyperband"
+    """NePS's optimizer: hyperband (eta 3, over the fidelity), or one without a fidelity
+    (``epochs`` then says every trial's epochs)."""
+    epochs: int | None = None
+    """No fidelity: every trial trains this many epochs (its size by ``rule``)."""
+    more_agents: int = 0
+    """Besides ``--pool D``, a pool launch with ``--agents D + more_agents`` (sampling ahead)."""
+    fixed: tuple[tuple[int, int], ...] | None = None
+    """The fixed layouts (groups, ranks) to compare with; None: every one of D."""
 
     @property
     def rule_arg(self) -> str:
@@ -219,6 +228,24 @@ top rung on all 8 devices (rule and prediction in pool_bench.md, stated before m
 75 evaluations: one whole hyperband iteration (65) plus 10, since 8 workers sample the next
 iteration while a rung waits (curve B's pool ran 6 of the iteration's 8 top-rung trials)."""
 
+CURVE_BO = PoolCurve(
+    name="BO",
+    max_epochs=16,
+    fixed_epochs=0.0,
+    serial_fraction=0.1,
+    rule=((16, 1),),
+    evaluations=40,
+    optimizer="bayesian_optimization",
+    epochs=16,
+    more_agents=4,
+    fixed=((8, 1),),
+)
+"""Bayesian optimization, no fidelity: every trial 16 epochs on one rank (16 s), so the
+pool's D agents take the devices one trial each, as 8 groups of 1 do, and each waits for
+its turn at NePS's lock to sample (a GP fit of seconds on 2 cores) while its device idles;
+``--agents 12`` samples ahead. Only 8x1 to compare with: the other layouts would run
+another search (each trial on more ranks)."""
+
 
 @dataclass(frozen=True)
 class PoolConfig:
@@ -246,6 +273,7 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
         curves=(
             PoolCurve("A", 9, 0.0, 0.1, ((1, 1), (3, 2), (9, 4)), 12),
             PoolCurve("B", 27, 1.0, 0.02, ((3, 1), (9, 2), (27, 4)), 12),
+            PoolCurve("BO", 8, 0.0, 0.1, ((8, 1),), 12, "bayesian_optimization", 8, 2, ((4, 1),)),
             PoolCurve("C", 27, 0.0, 0.01, ((1, 1), (3, 2), (9, 4), (27, 4)), 12),
         ),
         runs=1,
@@ -256,7 +284,11 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
     # search wall; curves B and C longer (search walls ~50-150 s, calculations in
     # pool_bench.md).
     "full": PoolConfig(
-        devices=8, t_epoch=1.0, curves=(CURVE_A, CURVE_B, CURVE_C), runs=1, deadline_s=900
+        devices=8,
+        t_epoch=1.0,
+        curves=(CURVE_A, CURVE_B, CURVE_BO, CURVE_C),  # C last: the README's row
+        runs=1,
+        deadline_s=900,
     ),
 }
 

@@ -43,41 +43,53 @@ from measurement import (
 )
 
 Record = dict[str, Any]
-POOL_VARIANTS: dict[str, tuple[str, ...]] = {"pool": ()}
-"""The pool launches and their extra workload arguments. The script imports torch and NePS
-only (as tests/scripts/pool_search.py), so each warm rank imports Lightning's cluster
-environments inside its first trial (``startup.launch.detect``, called per trial by
-``pool.rank``); ``("--preimport-lightning",)`` would have the script import them up front."""
-POOL_LABELS = {"pool": "pool"}
 LOG_LINE = re.compile(
     r"^(?P<t>\d+\.\d+) INFO neps_bcast: .*\btrial (?P<trial>\S+)"
     r" (?:asks for (?P<size>\d+) rank|runs on device\(s\) (?P<devices>[\d,]+))"
 )
 
 
-def layout_order(devices: int, run_index: int) -> list[str]:
-    """One run's launches: the pool, then the fixed layouts; reversed on odd runs."""
-    fixed = [layout_key(*layout) for layout in fixed_layouts(devices)]
-    order = [*POOL_VARIANTS, *fixed]
+def pool_keys(curve: PoolCurve) -> list[str]:
+    """The curve's pool launches: ``pool`` (``--pool D``, D agents) and, with
+    ``more_agents`` k, ``pool+k`` (``--agents D+k``). The script imports torch and NePS
+    only (as tests/scripts/pool_search.py), so each warm rank imports Lightning's cluster
+    environments inside its first trial (``startup.launch.detect``)."""
+    return ["pool", *([f"pool+{curve.more_agents}"] if curve.more_agents else [])]
+
+
+def fixed_keys(devices: int, curve: PoolCurve) -> list[str]:
+    return [layout_key(*layout) for layout in curve.fixed or fixed_layouts(devices)]
+
+
+def layout_order(devices: int, run_index: int, curve: PoolCurve) -> list[str]:
+    """One run's launches: the pool's, then the fixed layouts; reversed on odd runs."""
+    order = [*pool_keys(curve), *fixed_keys(devices, curve)]
     return order if run_index % 2 == 0 else order[::-1]
 
 
 def is_pool(key: str) -> bool:
-    return key in POOL_VARIANTS
+    return key.startswith("pool")
+
+
+def agents_of(key: str, devices: int) -> int:
+    """A pool launch's agents: D, or D + k for ``pool+k``."""
+    return devices + int(key.partition("+")[2] or 0)
 
 
 # ----------------------------------------------------------------------------- one launch
 def command(key: str, folder: Path, config: PoolConfig, curve: PoolCurve) -> list[str]:
     devices = config.devices
     if is_pool(key):
-        layout_args: tuple[str, ...] = ("--pool", str(devices))
-        processes = 2 * devices  # D ranks and D agents
-        extra = POOL_VARIANTS[key]
+        agents = agents_of(key, devices)
+        layout_args: tuple[str, ...] = ("--pool", str(devices), "--agents", str(agents))
+        processes = devices + agents  # D ranks and the agents
     else:
         groups, ranks = (int(part) for part in key.split("x"))
         layout_args = ("--groups", str(groups), "--nproc-per-group", str(ranks))
         processes = devices
-        extra = ()
+    search: tuple[str, ...] = ()
+    if curve.epochs is not None:
+        search = ("--optimizer", curve.optimizer, "--epochs", str(curve.epochs))
     return [
         PYTHON,
         *("-m", "neps_bcast", "launch", *layout_args),
@@ -88,7 +100,7 @@ def command(key: str, folder: Path, config: PoolConfig, curve: PoolCurve) -> lis
         *("--t-epoch", str(config.t_epoch), "--serial-fraction", str(curve.serial_fraction)),
         *("--max-epochs", str(curve.max_epochs), "--fixed-epochs", str(curve.fixed_epochs)),
         *("--rule", curve.rule_arg),
-        *extra,
+        *search,
     ]
 
 
@@ -394,14 +406,14 @@ def measure_pool_section(config: PoolConfig, tmp: Path, raw_dir: Path = RAW) -> 
     launches = []
     for curve in config.curves:
         progress(
-            f"pool section, curve {curve.name}: --pool {config.devices} vs"
-            f" {', '.join(layout_key(*layout) for layout in fixed_layouts(config.devices))},"
+            f"pool section, curve {curve.name}: {', '.join(pool_keys(curve))} vs"
+            f" {', '.join(fixed_keys(config.devices, curve))},"
             f" {curve.evaluations} trials each, simulated devices"
         )
         launches += [
             measure_layout(key, config, curve, f"pool{curve.name}{run_index}", tmp, raw_dir)
             for run_index in range(config.runs)
-            for key in layout_order(config.devices, run_index)
+            for key in layout_order(config.devices, run_index, curve)
         ]
     return launches
 
@@ -473,7 +485,7 @@ def summarize_pool(launches: list[Record], config: PoolConfig) -> Record:
 def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve) -> Record:
     """Per layout: medians over its completed launches; the best fixed layout; the goals."""
     layouts: Record = {}
-    for key in layout_order(config.devices, 0):
+    for key in layout_order(config.devices, 0, curve):
         runs = [launch for launch in launches if launch["layout"] == key]
         completed = [launch for launch in runs if launch["completed"]]
         entry: Record = {
@@ -492,7 +504,7 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
             errors=sorted({run["error"] for run in runs if run["error"]}),
         )
         layouts[key] = entry
-    fixed = [layout_key(*layout) for layout in fixed_layouts(config.devices)]
+    fixed = fixed_keys(config.devices, curve)
     walls = {
         key: layouts[key]["search_wall_s"]
         for key in fixed
@@ -510,7 +522,7 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
         ]
     )
     goals: Record = {}
-    for key in POOL_VARIANTS:
+    for key in pool_keys(curve):
         pool = layouts[key]
         ratio = (
             pool["search_wall_s"] / walls[best]
@@ -540,6 +552,8 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
         "fixed_epochs": curve.fixed_epochs,
         "serial_fraction": curve.serial_fraction,
         "rule": [list(step) for step in curve.rule],
+        "optimizer": curve.optimizer,
+        "epochs": curve.epochs,
         "runs": config.runs,
         "layouts": layouts,
         "best_fixed": best,

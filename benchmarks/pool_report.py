@@ -18,7 +18,7 @@ from configuration import (
     POOL_WALL_GOAL,
     RESULTS,
 )
-from pool_bench import POOL_LABELS, POOL_VARIANTS, is_pool
+from pool_bench import is_pool
 from report import Row, markdown_table, number, verdict
 
 Summary = dict[str, Any]
@@ -29,7 +29,12 @@ def plot_name(curve: str) -> str:
 
 
 def label(key: str) -> str:
-    return POOL_LABELS.get(key, f"{key.replace('x', ' x ')} (fixed)")
+    if key == "pool":
+        return "pool"
+    if is_pool(key):
+        more = key.partition("+")[2]
+        return f"pool, {more} more agents than devices (`--agents D+{more}`)"
+    return f"{key.replace('x', ' x ')} (fixed)"
 
 
 def percent(value: float | None) -> str:
@@ -44,10 +49,12 @@ def mix_text(mix: dict[str, int]) -> str:
 def curve_text(pool: Summary) -> str:
     """``Amdahl s = 0.02 per epoch + 1 epoch-time per trial, epochs 1..27``."""
     fixed = pool["fixed_epochs"]
+    epochs = pool.get("epochs")
     return (
         f"Amdahl s = {pool['serial_fraction']:g} per epoch"
         + (f" + {fixed:g} epoch-time per trial (not parallel)" if fixed else "")
-        + f", epochs 1..{pool['max_epochs']}"
+        + (f", epochs 1..{pool['max_epochs']}" if epochs is None else "")
+        + (f", {epochs} epochs every trial (no fidelity)" if epochs else "")
     )
 
 
@@ -76,7 +83,8 @@ def pool_headline_row(summary: Summary) -> Row:
     )
     return (
         f"right-sized pool (`--pool {pool['devices']}`, {pool['devices']} simulated devices,"
-        f" curve {pool['curve']}: {curve_text(pool)}, hyperband, {pool['evaluations']} trials)"
+        f" curve {pool['curve']}: {curve_text(pool)}, {pool.get('optimizer', 'hyperband')},"
+        f" {pool['evaluations']} trials)"
         f" vs the best fixed layout ({best or 'n/a'}): search wall, device utilization,"
         " scheduling cost median",
         text,
@@ -206,6 +214,17 @@ def goals_table(curves: list[Summary]) -> str:
     return markdown_table("goal | pool, measured | why: the figures behind it", rows)
 
 
+def search_text(pool: Summary) -> str:
+    """The search of a curve: hyperband over the fidelity, or an optimizer without one."""
+    if pool.get("epochs") is None:
+        return f"Fidelity `epochs = neps.IntegerFidelity(1, {pool['max_epochs']})`"
+    return (
+        f"NePS `optimizer={pool['optimizer']!r}` over two floats, no fidelity: every trial"
+        f" {pool['epochs']} epochs (the other launches' agents and groups wait at NePS's lock"
+        " to sample)"
+    )
+
+
 def curve_section(pool: Summary) -> str:
     """One curve's subsection: what it is, the layouts, the trial starts, the figure."""
     fixed = pool["fixed_epochs"]
@@ -218,8 +237,7 @@ def curve_section(pool: Summary) -> str:
     return f"""### Curve {pool["curve"]}: {curve_text(pool)}
 
 A trial of e epochs on k ranks holds its k devices: {c_text}`t_epoch * (s + (1 - s) / k)`
-with t_epoch = {pool["t_epoch"]:g} s, s = {pool["serial_fraction"]:g}. Fidelity
-`epochs = neps.IntegerFidelity(1, {pool["max_epochs"]})`, budget
+with t_epoch = {pool["t_epoch"]:g} s, s = {pool["serial_fraction"]:g}. {search_text(pool)}, budget
 `total_evaluations_to_spend={pool["evaluations"]}`. Pool rule: {rule_text(pool)}.
 
 {layouts_table(pool)}
@@ -244,7 +262,8 @@ def pool_section(summary: Summary, note: str = "") -> str:
 {note + chr(10) + chr(10) if note else ""}`neps-bcast launch --pool {devices}` against every fixed `--groups G --nproc-per-group N`
 with G x N = {devices}, per speedup curve ({names}) one launch each, interleaved, the same
 search (`benchmarks/workloads/pool_sim.py`): NePS `optimizer=("hyperband", {{"eta": 3}})`
-over one float and the fidelity `epochs`, a budget of `total_evaluations_to_spend` trials
+over one float and the fidelity `epochs` (curve BO: Bayesian optimization without a
+fidelity, with a second pool launch that samples ahead), a budget of `total_evaluations_to_spend` trials
 (in-progress trials count, NePS's default), every layout. The devices are **simulated**
 (2 CPU cores): a rank's "training" sleeps for the device time of its curve, and each
 epoch all-reduces one float over gloo, so a trial's ranks are one DDP group and a rank
@@ -349,7 +368,7 @@ def save_pool_plots(
     paths = []
     for pool in summary["pool"]["curves"]:
         curve = [run for run in launches if run.get("curve", "A") == pool["curve"]]
-        keys = [*POOL_VARIANTS, pool["best_fixed"]]
+        keys = [*(key for key in pool["layouts"] if is_pool(key)), pool["best_fixed"]]
         chosen = [
             next((run for run in curve if run["layout"] == key and run["work"]), None)
             for key in keys
