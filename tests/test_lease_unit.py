@@ -21,7 +21,7 @@ import pytest
 
 from harness import base_env, neps_trials
 from neps_bcast.compat import procfs
-from neps_bcast.compat.neps import lock_kind
+from neps_bcast.compat.neps import lock_kind, use_neps_locking
 from neps_bcast.config import Settings
 from neps_bcast.errors import SettingsError
 from neps_bcast.recovery.lease import Leases
@@ -443,3 +443,57 @@ def test_between_trials_a_leader_looks_for_orphans_once_per_heartbeat_period(
     assert at_once.recover_orphans_if_due() == [
         "2: back to pending (interruption 3 of at most 3 retried)"
     ]
+
+
+LOOK_AGAIN = """
+import json, sys
+from pathlib import Path
+import neps.state.neps_state  # the slow imports before "ready" (seconds on 2 busy cores)
+from neps_bcast.compat import neps as neps_compat
+from neps_bcast.config import Settings
+from neps_bcast.recovery.lease import Leases
+neps_compat.lock_kind()
+leases = Leases(Path(sys.argv[1]), Settings())
+print(json.dumps(leases.recover_orphans()), flush=True)  # a leader's look at its start
+sys.stdin.readline()
+print(json.dumps(leases.recover_orphans()), flush=True)  # and before a later trial
+"""
+
+
+def test_a_leaders_look_for_orphans_does_not_wait_while_another_worker_samples(
+    tmp_path: Path,
+) -> None:
+    """NePS holds its optimizer lock for the whole of a sample (a Bayesian optimizer's fit:
+    seconds), while the look for orphans needs only NePS's trial lock: a leader that
+    waited for the optimizer lock before each trial left its devices idle for other
+    workers' samples (a pool of 4 agents under BO: ~19 s before one trial asked for its
+    device). The test holds the optimizer lock, as a sampling worker does, while a leader
+    that looked once already looks again and finds a new orphan."""
+    import portalocker.portalocker as portalocker_lock_module
+    from neps.state.neps_state import NePSState
+
+    assert worker(tmp_path, trials=1).returncode == 0
+    root = tmp_path / "root"
+    saved = portalocker_lock_module.LOCKER
+    leader = subprocess.Popen(
+        [PYTHON, "-c", LOOK_AGAIN, str(root)],
+        env=base_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert leader.stdout is not None and leader.stdin is not None
+        assert json.loads(leader.stdout.readline()) == []
+        assert worker(tmp_path, trials=3, fault="kill", at="2").returncode == -signal.SIGKILL
+        use_neps_locking()  # the kind of lock a NePS worker takes (lockf)
+        with NePSState.create_or_load(path=root, load_only=True)._optimizer_lock.lock():
+            leader.stdin.write("look\n")
+            leader.stdin.flush()
+            found, _ = leader.communicate(timeout=120)
+    finally:
+        portalocker_lock_module.LOCKER = saved
+        leader.kill()
+        leader.wait()
+    assert json.loads(found) == ["2: back to pending (interruption 1 of at most 3 retried)"]
+    assert states(tmp_path)["2"] == "pending"

@@ -322,9 +322,29 @@ def locked_trials(root_directory: Path) -> Iterator[TrialBook | None]:
     if not (root / OPTIMIZER_STATE_FILE).exists():
         yield None
         return
-    state = _loaded_state(root)
+    state = _trials_state(root)
     with state._trial_lock.lock():
         yield TrialBook(state)
+
+
+_STATES: dict[Path, Any] = {}
+"""NePS's state of each root, loaded once per process (``_trials_state``)."""
+
+
+def _trials_state(root: Path) -> Any:
+    """NePS's state of ``root`` for its trials, loaded the first time only.
+
+    Loading it takes NePS's optimizer lock (``_loaded_state``), which a worker holds for
+    the whole of a sample: under Bayesian optimization a GP fit of seconds, and several
+    workers queue for it. Loaded before every look for orphans, it held a leader's next
+    trial (and its devices) until the other workers had sampled: 19 s before one trial
+    of a pool of 4 agents asked for its device. What a look uses of the state are its
+    trial repository, trial lock and error file, which NePS reads anew from disk each
+    time (``TrialRepo.latest``), never its optimizer state."""
+    key = root.resolve()
+    if key not in _STATES:
+        _STATES[key] = _loaded_state(root)
+    return _STATES[key]
 
 
 OPTIMIZER_STATE_FILE = neps_files.OPTIMIZER_STATE_FILE
