@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import neps_bcast
-from neps_bcast.compat import neps as neps_compat
+from neps_bcast.compat import neps_trials
 from neps_bcast.compat import torch as tc
 from neps_bcast.errors import MessageError, ProtocolError
 from neps_bcast.launcher import trial_placement
@@ -246,7 +246,7 @@ def test_a_destroyed_group_is_kept_alive_until_released() -> None:
 
 
 def test_neps_trial_files_are_the_ones_neps_writes() -> None:
-    assert neps_compat.trial_files() == {
+    assert neps_trials.trial_files() == {
         "config.yaml",
         "report.yaml",
         "metadata.json",
@@ -259,7 +259,7 @@ def test_resumed_from_is_the_directory_only_on_a_retry_that_left_files(tmp_path:
     trial_dir = tmp_path / "config_2"
     trial_dir.mkdir()
     ours = [LEASE_FILE, f"{LEASE_FILE}.host.1.tmp", LOCK_FILE, trial_placement.PLACEMENT_FILE]
-    for name in [*neps_compat.trial_files(), *ours]:
+    for name in [*neps_trials.trial_files(), *ours]:
         (trial_dir / name).write_text("")
     assert left_by_earlier_attempts(trial_dir, attempt=2) is None  # only NePS's and ours
     (trial_dir / "checkpoint.pt").write_bytes(b"state")

@@ -17,6 +17,7 @@ from neps.space.neps_spaces.neps_space import adjust_evaluation_pipeline_for_nep
 from neps.state.neps_state import NePSState
 
 from neps_bcast.compat import neps as neps_compat
+from neps_bcast.compat import neps_run
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS, NEPS_DDP_ENV_VARS, current_trial
 
 
@@ -306,7 +307,7 @@ def test_a_base_exception_out_of_an_evaluation_leaves_the_trial_set_until_forgot
         neps.run(leaves, Space(), total_evaluations_to_spend=3, **options)
     with pytest.raises(neps.exceptions.NePSError, match="already set to run in this process"):
         neps.run(returns, Space(), total_evaluations_to_spend=3, **options)
-    neps_compat.forget_current_trial()
+    neps_run.forget_current_trial()
     neps.run(returns, Space(), total_evaluations_to_spend=3, **options)
     assert "success" in {t.metadata.state.value for t in recorded(tmp_path / "root").values()}
 
@@ -319,10 +320,10 @@ def test_sampling_and_recording_hooks_see_each_sample_and_each_record(
     monkeypatch.setattr(NePSState, "_sample_trial", NePSState._sample_trial)
     monkeypatch.setattr(NePSState, "_report_trial_evaluation", NePSState._report_trial_evaluation)
     seen: list[str] = []
-    neps_compat.call_before_sampling_and_recording(
+    neps_run.call_before_sampling_and_recording(
         lambda: seen.append("sample"), lambda trial_id: seen.append(f"record {trial_id}")
     )
-    neps_compat.call_before_sampling_and_recording(  # installing twice keeps one wrapper
+    neps_run.call_before_sampling_and_recording(  # installing twice keeps one wrapper
         lambda: seen.append("sample"), lambda trial_id: seen.append(f"record {trial_id}")
     )
     neps.run(
@@ -373,7 +374,7 @@ def test_a_trial_put_back_is_handed_out_first_on_entering_neps_run_again_under_a
         entries.append(given)
         neps.run(evaluate, Space(), **given)
 
-    neps_compat.run_entering_again(run, options, PutBack, next_worker_id)
+    neps_run.run_entering_again(run, options, PutBack, next_worker_id)
     assert [e["worker_id"] for e in entries] == ["first", "first-2"]
     assert [e["overwrite_root_directory"] for e in entries] == [True, False]
     assert seen[1] == seen[0], "the trial put back was not the next one handed out"

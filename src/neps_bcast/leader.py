@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 from neps_bcast import faults
 from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import neps as neps_compat
+from neps_bcast.compat import neps_run
 from neps_bcast.errors import (
     ErrorRecord,
     FollowerLostError,
@@ -278,7 +279,7 @@ def lead(
     _fault_points_in_neps()
     guard = RootGuard(root, rt.settings.root_lock_timeout_s)
     leases = Leases(root, rt.settings)
-    if kwargs.get("worker_id") is None and neps_compat.takes_worker_id():
+    if kwargs.get("worker_id") is None and neps_run.takes_worker_id():
         # NePS records it in each trial it sets evaluating: a leader killed before its
         # lease is then still proven dead at once on this machine (see ``lease``).
         kwargs["worker_id"] = leases.me.worker_id()
@@ -335,7 +336,7 @@ def _fault_points_in_neps() -> None:
     """The fault points ``sample`` and ``record`` lie inside NePS: hooked only when a
     test armed one (``neps_bcast.faults``), never otherwise."""
     if faults.armed("sample") or faults.armed("record"):
-        neps_compat.call_before_sampling_and_recording(
+        neps_run.call_before_sampling_and_recording(
             lambda: faults.point("sample"),
             lambda trial_id: faults.point("record", trial_id=trial_id),
         )
@@ -356,12 +357,12 @@ def _releasing(guard: RootGuard, run_trial: RunTrial | None) -> RunTrial | None:
 
 
 def _run_neps(
-    neps_run: Callable[..., Any], wrapped: Callable[..., Any], space: Any, kwargs: dict[str, Any]
+    run: Callable[..., Any], wrapped: Callable[..., Any], space: Any, kwargs: dict[str, Any]
 ) -> None:
     """``neps.run``, entered again after a pool's trial was put back (``TrialPutBack``):
     NePS then hands out that pending trial (or another) as it would at a start."""
-    neps_compat.run_entering_again(
-        lambda options: neps_run(wrapped, space, **options),
+    neps_run.run_entering_again(
+        lambda options: run(wrapped, space, **options),
         kwargs,
         TrialPutBack,
         next_worker_id,

@@ -1,17 +1,21 @@
 """Every NePS name neps_bcast depends on beyond ``neps.run``, in one place.
 
 ``tests/test_neps_compat.py`` fails loudly when a NePS release changes any of them.
+Beside this module: ``neps_run`` (the leader's loop around ``neps.run``) and
+``neps_trials`` (the trials a look for orphans reads and changes under the lock taken
+here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from neps_bcast.compat import neps_files
+from neps_bcast.compat.neps_trials import TrialBook
 
 INJECTED_ARGUMENTS = ("pipeline_directory", "previous_pipeline_directory", "pipeline_id")
 """Arguments NePS passes only when the function's signature names them
@@ -28,48 +32,6 @@ class NepsTrialInfo:
     previous_pipeline_directory: Path | None
 
 
-def forget_current_trial() -> None:
-    """Clear NePS's record of the trial this process evaluates, left set when a
-    ``BaseException`` leaves the evaluation (``neps.runtime._set_global_trial`` resets it
-    only on a normal exit): a pool's agent enters ``neps.run`` again after putting a
-    trial back, and NePS would refuse to set the next one ("A trial was already set to
-    run in this process")."""
-    import neps.runtime
-
-    neps.runtime._CURRENTLY_RUNNING_TRIAL_IN_PROCESS = None
-
-
-def run_entering_again(
-    run: Callable[[dict[str, Any]], object],
-    options: dict[str, Any],
-    again: type[BaseException],
-    next_worker_id: Callable[[str, int], str],
-) -> None:
-    """``run(options)`` (``neps.run``), entered again each time it is left with
-    ``again``: a pool's agent leaves NePS's loop with a ``BaseException`` after putting
-    its trial back to pending, and enters it again for the next.
-
-    What it relies on in NePS, each pinned by tests/test_neps_compat.py: a
-    ``BaseException`` out of an evaluation leaves the trial set as running in this
-    process until ``forget_current_trial``; NePS refuses a worker id it has seen, so each
-    entry gets a fresh one (``next_worker_id(worker_id, entry)``, entries from 2); a
-    trial put back to pending is handed out before a new one is sampled; and
-    ``overwrite_root_directory`` would wipe the root at each entry, so only the first
-    may ask for it."""
-    entry = 1
-    while True:
-        try:
-            run(options)
-        except again:
-            forget_current_trial()
-            entry += 1
-            options = {**options, "overwrite_root_directory": False}  # never wipe it again
-            if options.get("worker_id") is not None:
-                options["worker_id"] = next_worker_id(str(options["worker_id"]), entry)
-            continue
-        return
-
-
 def current_trial() -> NepsTrialInfo:
     """The trial NePS is evaluating in this process (call only inside its evaluation)."""
     from neps.runtime import get_in_progress_trial  # private to NePS's runtime module
@@ -81,21 +43,6 @@ def current_trial() -> NepsTrialInfo:
         trial_id=str(trial.id),
         pipeline_directory=Path(location) if location else None,
         previous_pipeline_directory=Path(previous) if previous else None,
-    )
-
-
-def trial_files() -> frozenset[str]:
-    """The files NePS itself writes into a trial's directory (config, report, metadata,
-    previous trial id): anything else there was written by the user's code."""
-    from neps.state.filebased import ReaderWriterTrial
-
-    return frozenset(
-        {
-            ReaderWriterTrial.CONFIG_FILENAME,
-            ReaderWriterTrial.REPORT_FILENAME,
-            ReaderWriterTrial.METADATA_FILENAME,
-            ReaderWriterTrial.PREVIOUS_TRIAL_ID_FILENAME,
-        }
     )
 
 
@@ -207,83 +154,7 @@ def record_crashed(trial_id: str, root_directory: Path, error: BaseException) ->
         save_pipeline_results({"exception": exc}, trial_id, root)
 
 
-# -- trial leases (used by neps_bcast.recovery.lease) -------------------------------------------
-# NePS 0.17 only hands out `pending` trials and has no heartbeat: a trial whose worker
-# died stays `evaluating` for ever. neps_bcast puts such a trial back to `pending`, under
-# NePS's own trial lock, with NePS's own ``Trial.reset`` (which keeps the id, config,
-# location, previous location and time sampled, so NePS picks it up first).
-
-
-@dataclass(frozen=True)
-class EvaluatingTrial:
-    trial_id: str
-    location: Path
-    time_started: float | None
-    worker_id: str | None
-
-
-class TrialBook:
-    """NePS's trials while this process holds NePS's trial lock (see ``locked_trials``)."""
-
-    def __init__(self, state: Any) -> None:
-        self._state = state
-        self._trials: dict[str, Any] = state._trial_repo.latest()
-
-    def evaluating(self) -> list[EvaluatingTrial]:
-        from neps.state.trial import State
-
-        return [
-            EvaluatingTrial(
-                trial_id=str(t.id),
-                location=Path(t.metadata.location),
-                time_started=t.metadata.time_started,
-                worker_id=t.metadata.evaluating_worker_id,
-            )
-            for t in self._trials.values()
-            if t.metadata.state == State.EVALUATING
-        ]
-
-    def state_of(self, trial_id: str) -> str | None:
-        trial = self._trials.get(trial_id)
-        return None if trial is None else str(trial.metadata.state.value)
-
-    def set_pending(self, trial_id: str) -> None:
-        """Back to `pending`: NePS's next free worker evaluates it again (same config,
-        same pipeline directory, same previous pipeline directory)."""
-        trial = self._trials[trial_id]
-        trial.reset()
-        trial.report = None
-        self._state._trial_repo.update_trial(trial, hints="metadata")
-
-    def set_crashed(self, trial_id: str, error: Exception) -> None:
-        """Recorded `crashed` with ``error``, as NePS records an evaluation that raised."""
-        import time
-
-        trial = self._trials[trial_id]
-        report = trial.set_complete(
-            report_as="crashed",
-            time_end=time.time(),
-            objective_to_minimize=None,
-            cost=None,
-            learning_curve=None,
-            err=error,
-            tb=str(error),
-            extra=None,
-            evaluation_duration=None,
-        )
-        worker_id = trial.metadata.evaluating_worker_id or "neps_bcast"
-        self._state._report_trial_evaluation(trial, report, worker_id=worker_id)
-
-
-def takes_worker_id() -> bool:
-    """NePS's ``run`` takes ``worker_id`` (NePS 0.17 does; it stores it in each trial's
-    ``evaluating_worker_id``). Asked of ``neps.api.run``: ``neps.run`` may be wrapped
-    (a profiler, a test's observer) by a function taking ``**kwargs``."""
-    import inspect
-
-    from neps.api import run
-
-    return "worker_id" in inspect.signature(run).parameters
+# -- NePS's locks (used by neps_bcast.recovery) -------------------------------------------------
 
 
 def lock_kind() -> str:
@@ -391,33 +262,3 @@ def _loaded_state(root: Path) -> Any:
 
     with _optimizer_lock(root):
         return NePSState.create_or_load(path=root, load_only=True)
-
-
-def call_before_sampling_and_recording(
-    before_sample: Callable[[], None], before_record: Callable[[str], None]
-) -> None:
-    """Call ``before_sample()`` as NePS starts sampling a trial and ``before_record(id)``
-    as it starts recording one's result (``NePSState._sample_trial`` and
-    ``_report_trial_evaluation``, private to NePS). Only for fault points that a test
-    armed (``neps_bcast.faults``): nothing installs it otherwise. Installing twice keeps
-    one wrapper."""
-    from neps.state.neps_state import NePSState
-
-    sample = getattr(NePSState._sample_trial, "__wrapped__", NePSState._sample_trial)
-    report = getattr(
-        NePSState._report_trial_evaluation, "__wrapped__", NePSState._report_trial_evaluation
-    )
-
-    def sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before_sample()
-        return sample(self, *args, **kwargs)
-
-    def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        trial = kwargs.get("trial", args[0] if args else None)
-        before_record(str(getattr(trial, "id", "?")))
-        return report(self, *args, **kwargs)
-
-    sampling.__wrapped__ = sample  # type: ignore[attr-defined]
-    reporting.__wrapped__ = report  # type: ignore[attr-defined]
-    NePSState._sample_trial = sampling  # type: ignore[method-assign]
-    NePSState._report_trial_evaluation = reporting  # type: ignore[method-assign]

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from neps_bcast import faults
 from neps_bcast.compat import neps as neps_compat
+from neps_bcast.compat import neps_trials
 from neps_bcast.config import Settings
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease_file import (
@@ -256,7 +257,7 @@ class Leases:
         return self.recover_orphans()
 
     def _recover_one(
-        self, book: neps_compat.TrialBook, trial: neps_compat.EvaluatingTrial, now: float
+        self, book: neps_trials.TrialBook, trial: neps_trials.EvaluatingTrial, now: float
     ) -> str | None:
         """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
         lease = read_lease(trial.location)
@@ -295,7 +296,7 @@ class Leases:
 
     def _hand_back(
         self,
-        book: neps_compat.TrialBook,
+        book: neps_trials.TrialBook,
         trial_id: str,
         trial_dir: Path,
         lease: Lease,
@@ -323,7 +324,7 @@ def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:
     there besides NePS's and neps_bcast's own files (a checkpoint), else None."""
     if attempt <= 1:
         return None
-    ours = neps_compat.trial_files()
+    ours = neps_trials.trial_files()
     try:
         for entry in trial_dir.iterdir():
             if entry.name not in ours and not entry.name.startswith(OURS_PREFIX):
