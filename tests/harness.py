@@ -40,7 +40,7 @@ import pytest
 import launches
 from exits import ExitWatch
 from neps_bcast.compat import procfs
-from neps_bcast.ddp.group import ARRIVAL_CHECK
+from neps_bcast.ddp.forming import ARRIVAL_CHECK
 from scenario import Scenario
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -305,7 +305,7 @@ def _store_pair() -> tuple[dist.TCPStore, dist.TCPStore]:
 def _arrive_in_thread(store: Any, key: str) -> tuple[Any, list[BaseException | None]]:
     import threading
 
-    from neps_bcast.ddp.group import all_or_none
+    from neps_bcast.ddp.forming import all_or_none
     from neps_bcast.transport.store import prefixed
 
     got: list[BaseException | None] = []
@@ -323,7 +323,7 @@ def _arrive_in_thread(store: Any, key: str) -> tuple[Any, list[BaseException | N
 
 
 def test_forming_goes_ahead_once_every_rank_arrived() -> None:
-    from neps_bcast.ddp.group import abandon, all_or_none
+    from neps_bcast.ddp.forming import abandon, all_or_none
     from neps_bcast.transport.store import prefixed
 
     server, client = _store_pair()
@@ -336,7 +336,7 @@ def test_forming_goes_ahead_once_every_rank_arrived() -> None:
 
 
 def test_a_rank_that_will_not_form_frees_its_waiting_peer_at_once() -> None:
-    from neps_bcast.ddp.group import FormingAbandoned, abandon
+    from neps_bcast.ddp.forming import FormingAbandoned, abandon
     from neps_bcast.transport.store import prefixed
 
     server, client = _store_pair()
@@ -360,7 +360,7 @@ def _second_look_finds_rank_1_gone() -> tuple[list[float], Any]:
 
 
 def test_a_rank_waiting_for_its_peers_to_form_checks_they_live() -> None:
-    from neps_bcast.ddp.group import WatchedStore, all_or_none
+    from neps_bcast.ddp.forming import WatchedStore, all_or_none
     from neps_bcast.transport.store import prefixed
 
     server, _ = _store_pair()
@@ -374,7 +374,7 @@ def test_torchs_rendezvous_on_a_watched_store_raises_for_a_lost_peer() -> None:
     # The peer counted itself in and was killed before it published its address:
     # torch's own rendezvous would wait for it for its whole timeout (30 min).
     from neps_bcast.compat import torch as torch_compat
-    from neps_bcast.ddp.group import WatchedStore
+    from neps_bcast.ddp.forming import WatchedStore
     from neps_bcast.transport.store import prefixed
 
     server, _ = _store_pair()

@@ -19,7 +19,8 @@ from typing import TypeVar
 from neps_bcast import faults
 from neps_bcast.compat.torch import Store
 from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
-from neps_bcast.ddp.group import UserGroup, abandon, group_connections
+from neps_bcast.ddp.forming import abandon
+from neps_bcast.ddp.group import UserGroup, group_connections
 from neps_bcast.errors import (
     FollowerLostError,
     LeaderLostError,
@@ -182,7 +183,7 @@ class Runtime:
 
     def abandon_forming(self, key: str) -> None:
         """This rank failed before forming the group under ``key``: its peers waiting
-        to form it raise instead (``ddp.group.all_or_none``); never raises."""
+        to form it raise instead (``ddp.forming.all_or_none``); never raises."""
         if self.link.store is None:
             return
         try:

@@ -26,7 +26,7 @@ from typing import Any
 from neps_bcast import faults
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
-from neps_bcast.ddp.group import FormingAbandoned
+from neps_bcast.ddp.forming import FormingAbandoned
 from neps_bcast.ddp.teardown import Freed, trial_starts
 from neps_bcast.errors import (
     ErrorRecord,
