@@ -53,6 +53,7 @@ from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_trials
 from neps_bcast.config import Settings
 from neps_bcast.log import logger
+from neps_bcast.recovery.hand_back import HandBack
 from neps_bcast.recovery.lease_file import (
     OURS_PREFIX,
     Attempt,
@@ -60,7 +61,6 @@ from neps_bcast.recovery.lease_file import (
     Owner,
     lease_lock,
     read_lease,
-    why_dead,
     write_lease,
 )
 
@@ -71,9 +71,8 @@ class Leases:
     def __init__(self, root_directory: Path, settings: Settings) -> None:
         self.root = Path(root_directory)
         self.heartbeat_s = settings.heartbeat_s
-        self.grace_s = settings.lease_grace_s
-        self.max_retries = settings.max_retries
         self.me = Owner.me()
+        self._hand_back = HandBack(self.me, settings)
         self._held: tuple[Path, Lease] | None = None
         self._unwritten: tuple[Path, Lease] | None = None
         """The lease ``take`` recorded that the heartbeat thread has not written yet."""
@@ -223,23 +222,13 @@ class Leases:
                 if lease.owner not in (None, self.me):
                     return f"left to {lease.owner.describe()}, which took it over"
                 attempt = Attempt(self.me, lease.started, time.time(), how)
-                return self._hand_back(book, trial_id, trial_dir, lease, attempt)
+                return self._hand_back.trial(book, trial_id, trial_dir, lease, attempt)
 
     # -- orphans ---------------------------------------------------------------
     def recover_orphans(self) -> list[str]:
         """Put back every trial whose owner is provably gone; what was done, per trial."""
         self._looked_at = time.monotonic()
-        done = []
-        with neps_compat.locked_trials(self.root) as book:
-            if book is None:
-                return []
-            now = time.time()
-            for trial in book.evaluating():
-                with lease_lock(trial.location):
-                    outcome = self._recover_one(book, trial, now)
-                if outcome is not None:
-                    done.append(f"{trial.trial_id}: {outcome}")
-        return done
+        return self._hand_back.orphans(self.root)
 
     def recover_orphans_if_due(self) -> list[str]:
         """Before a trial: ``recover_orphans`` unless this leader looked less than a
@@ -255,68 +244,6 @@ class Leases:
         if self._looked_at is not None and time.monotonic() - self._looked_at < self.heartbeat_s:
             return []
         return self.recover_orphans()
-
-    def _recover_one(
-        self, book: neps_trials.TrialBook, trial: neps_trials.EvaluatingTrial, now: float
-    ) -> str | None:
-        """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
-        lease = read_lease(trial.location)
-        reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s, trial.worker_id)
-        if reason is None:
-            if lease is not None and lease.owner is not None:
-                age = now - lease.heartbeat
-                if age > 2 * self.heartbeat_s and not self.me.shares_machine_with(lease.owner):
-                    self.log(
-                        logging.INFO,
-                        "trial %s: no heartbeat from %s for %.0f s; taken over after %.0f s",
-                        trial.trial_id,
-                        lease.owner.describe(),
-                        age,
-                        self.grace_s,
-                    )
-            return None
-        if lease is None or lease.owner is None:
-            started = trial.time_started or now
-            lease = Lease(
-                trial.trial_id,
-                None,
-                started,
-                started,
-                lease.attempts if lease is not None else (),
-            )
-        # A leader killed before its lease was written is still named, from NePS's
-        # record of the worker (the history then says whose attempt it was).
-        owner = (
-            lease.owner or Owner.from_worker_id(trial.worker_id) or Owner("unknown", "", "", 0, 0)
-        )
-        attempt = Attempt(owner, lease.started, lease.heartbeat, reason)
-        outcome = self._hand_back(book, trial.trial_id, trial.location, lease, attempt)
-        self.log(logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome)
-        return outcome
-
-    def _hand_back(
-        self,
-        book: neps_trials.TrialBook,
-        trial_id: str,
-        trial_dir: Path,
-        lease: Lease,
-        attempt: Attempt,
-    ) -> str:
-        """Under NePS's lock: record ``attempt``; pending, or crashed past the limit."""
-        now = time.time()
-        released = Lease(trial_id, None, lease.started, now, (*lease.attempts, attempt))
-        write_lease(trial_dir, released)
-        count = len(released.attempts)
-        if count > self.max_retries:
-            error = RuntimeError(
-                f"neps_bcast: trial {trial_id} was interrupted {count} times by"
-                f" infrastructure failures (NEPS_BCAST_MAX_RETRIES={self.max_retries}):"
-                f" {released.history()}"
-            )
-            book.set_crashed(trial_id, error)
-            return f"recorded crashed after {count} interruptions"
-        book.set_pending(trial_id)
-        return f"back to pending (interruption {count} of at most {self.max_retries} retried)"
 
 
 def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:

@@ -1,0 +1,115 @@
+"""Handing a trial back to NePS: an orphan of a dead owner, or a leader's own trial.
+
+Whose trial is orphaned is decided by the lease (``lease_file.why_dead``); what becomes
+of a trial handed back is decided here, the same for both: its interruption is added to
+the lease's history, and the trial goes back to ``pending``, or is recorded ``crashed``
+once it was interrupted more than ``NEPS_BCAST_MAX_RETRIES`` times (``lease`` says why).
+Always under NePS's trial lock (``compat.neps.locked_trials``) and the lease file's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from neps_bcast.compat import neps as neps_compat
+from neps_bcast.compat import neps_trials
+from neps_bcast.config import Settings
+from neps_bcast.log import logger
+from neps_bcast.recovery.lease_file import (
+    Attempt,
+    Lease,
+    Owner,
+    lease_lock,
+    read_lease,
+    why_dead,
+    write_lease,
+)
+
+
+class HandBack:
+    """Trials handed back under NePS's trial lock, by the leader ``me``."""
+
+    def __init__(self, me: Owner, settings: Settings) -> None:
+        self.me = me
+        self.heartbeat_s = settings.heartbeat_s
+        self.grace_s = settings.lease_grace_s
+        self.max_retries = settings.max_retries
+
+    def orphans(self, root: Path) -> list[str]:
+        """Put back every trial of ``root`` whose owner is provably gone; what was done,
+        per trial."""
+        done = []
+        with neps_compat.locked_trials(root) as book:
+            if book is None:
+                return []
+            now = time.time()
+            for trial in book.evaluating():
+                with lease_lock(trial.location):
+                    outcome = self._orphan(book, trial, now)
+                if outcome is not None:
+                    done.append(f"{trial.trial_id}: {outcome}")
+        return done
+
+    def _orphan(
+        self, book: neps_trials.TrialBook, trial: neps_trials.EvaluatingTrial, now: float
+    ) -> str | None:
+        """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
+        lease = read_lease(trial.location)
+        reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s, trial.worker_id)
+        if reason is None:
+            if lease is not None and lease.owner is not None:
+                age = now - lease.heartbeat
+                if age > 2 * self.heartbeat_s and not self.me.shares_machine_with(lease.owner):
+                    logger.log(
+                        logging.INFO,
+                        "trial %s: no heartbeat from %s for %.0f s; taken over after %.0f s",
+                        trial.trial_id,
+                        lease.owner.describe(),
+                        age,
+                        self.grace_s,
+                    )
+            return None
+        if lease is None or lease.owner is None:
+            started = trial.time_started or now
+            lease = Lease(
+                trial.trial_id,
+                None,
+                started,
+                started,
+                lease.attempts if lease is not None else (),
+            )
+        # A leader killed before its lease was written is still named, from NePS's
+        # record of the worker (the history then says whose attempt it was).
+        owner = (
+            lease.owner or Owner.from_worker_id(trial.worker_id) or Owner("unknown", "", "", 0, 0)
+        )
+        attempt = Attempt(owner, lease.started, lease.heartbeat, reason)
+        outcome = self.trial(book, trial.trial_id, trial.location, lease, attempt)
+        logger.log(logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome)
+        return outcome
+
+    def trial(
+        self,
+        book: neps_trials.TrialBook,
+        trial_id: str,
+        trial_dir: Path,
+        lease: Lease,
+        attempt: Attempt,
+    ) -> str:
+        """Under NePS's lock: record ``attempt``; pending, or crashed past the limit."""
+        now = time.time()
+        released = Lease(trial_id, None, lease.started, now, (*lease.attempts, attempt))
+        write_lease(trial_dir, released)
+        count = len(released.attempts)
+        if count > self.max_retries:
+            error = RuntimeError(
+                f"neps_bcast: trial {trial_id} was interrupted {count} times by"
+                f" infrastructure failures (NEPS_BCAST_MAX_RETRIES={self.max_retries}):"
+                f" {released.history()}"
+            )
+            book.set_crashed(trial_id, error)
+            return f"recorded crashed after {count} interruptions"
+        book.set_pending(trial_id)
+        return f"back to pending (interruption {count} of at most {self.max_retries} retried)"
