@@ -3,24 +3,24 @@
 A ``Runtime`` ties together who this rank is (``launch``, ``settings``), its link to the
 group (``link``: store and channel), the user's DDP group (``group``) and the trial being
 evaluated (``trial.running()``). It sends and receives the leader's
-messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py``.
+messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py``
+(forming and releasing the user's group in ``trial_forming`` and ``trial_failure``),
+and the first trial of a Lightning leader's children in ``lightning_children``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from neps_bcast import faults
+from neps_bcast import faults, lightning_children
 from neps_bcast.compat.torch import Store
-from neps_bcast.config import ENV_CHILD_SECRET, ENV_FIRST_SEQ, ENV_FIRST_TRIAL, ENV_LEADER, Settings
-from neps_bcast.ddp.forming import abandon
-from neps_bcast.ddp.group import UserGroup, group_connections
+from neps_bcast.config import Settings
+from neps_bcast.ddp.group import UserGroup
 from neps_bcast.errors import (
     FollowerLostError,
     LeaderLostError,
@@ -33,19 +33,16 @@ from neps_bcast.recovery.signals import indivisible
 from neps_bcast.startup import external
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport import peers
-from neps_bcast.transport.auth import Signer, new_secret, secret_text
+from neps_bcast.transport.auth import Signer, new_secret
 from neps_bcast.transport.channel import Channel, ChannelClosedError
 from neps_bcast.transport.link import Link
 from neps_bcast.transport.messages import (
-    Message,
     Report,
     StopMessage,
     TrialMessage,
-    decode,
     encode,
 )
 from neps_bcast.transport.steps import Steps
-from neps_bcast.transport.store import prefixed
 
 _ACTIVE: Runtime | None = None
 _T = TypeVar("_T")
@@ -77,7 +74,7 @@ class Runtime:
         every trial's group formed on it by the user's code finds it there."""
         self.link = Link(self.group_rank, self.settings, self.signer)
         self.link.peers.relatives = functools.partial(_relatives, launch, self.group_rank)
-        self.children = _Children()
+        self.children = lightning_children.Children()
         self.seq = 0
         self.steps = Steps(self.group_rank, self.signer, lambda: self.group.generation)
         self.owns_group = False
@@ -136,60 +133,9 @@ class Runtime:
             fixed_size=self.link.channel is not None, single=self.launch.kind == "single"
         )
 
-    def release_group(self, exc: BaseException | None = None) -> None:
-        """Release the user's group (a rank failed): only its own connections are shut."""
-        try:
-            self.observe_group()
-        except Exception:  # noqa: BLE001 - releasing must go on whatever the group is
-            self.log(logging.DEBUG, "could not observe the group before releasing it")
-        store_port = {self.link.store.port} if self.group_rank == 0 and self.link.store else set()
-
-        def connections() -> set[int]:
-            others = self.link.peers.group(self.link.store, self.world_size)
-            return group_connections(others, self.link.own, store_port)
-
-        self.group.release(connections, exc)
-
     def next_generation(self) -> int | None:
         """Leader: the generation the next trial forms the group as (None: keep it)."""
         return self.group.next_generation() if self.link.store is not None else None
-
-    def reform_group(self, generation: int) -> None:
-        faults.point("form", before_function=True)
-        assert self.link.store is not None
-        with indivisible():  # a stop waits until formed: no peer left in the rendezvous
-            self.group.reform(self.link.store, generation, self._peers_alive)
-
-    def form_group_for_session(self, seq: int) -> None:
-        """Every rank at ``session()`` of trial ``seq``, where none has a group."""
-        faults.point("form", before_function=False)
-        assert self.link.store is not None
-        with indivisible():  # a stop waits until formed: no peer left in the rendezvous
-            self.group.form_for_session(
-                self.link.store,
-                seq,
-                self.settings.backend,
-                self.devices[self.group_rank] if self.devices else self.launch.local_rank,
-                self._peers_alive,
-            )
-        self.owns_group = True
-
-    def _peers_alive(self) -> None:
-        """Raises the lost-peer error for a rank on this host that is gone (a SIGKILLed
-        peer never counts itself in to form the group)."""
-        gone = self.link.peers.describe_lost(self.link.store, self.world_size)
-        if gone:
-            raise self.lost(RuntimeError("gone while the group was being formed"))
-
-    def abandon_forming(self, key: str) -> None:
-        """This rank failed before forming the group under ``key``: its peers waiting
-        to form it raise instead (``ddp.forming.all_or_none``); never raises."""
-        if self.link.store is None:
-            return
-        try:
-            abandon(prefixed(key, self.link.store))
-        except Exception as exc:  # noqa: BLE001 - the rank's own error is the one to report
-            self.log(logging.WARNING, "could not tell the peers not to wait: %s", exc)
 
     # -- messages --------------------------------------------------------------
     def ensure_channel(self) -> bool:
@@ -251,12 +197,13 @@ class Runtime:
         assert self.launch.leader_store is not None
         assert self.launch.first_seq is not None
         assert self.launch.first_trial is not None
-        self.link.connect(self.launch.leader_store)
-        payload = self.link.trial_left_by_leader(self.launch.first_seq, self.launch.first_trial)
-        message = _expect_order(decode(payload, tag=self.tag), self.tag)
-        if not isinstance(message, TrialMessage):
-            raise ProtocolError(format_message(self.tag, "expected a trial, got a stop."))
-        return message
+        return lightning_children.first_trial(
+            self.link,
+            self.launch.leader_store,
+            self.launch.first_seq,
+            self.launch.first_trial,
+            self.tag,
+        )
 
     def exchange(self, report: Report) -> list[Report] | None:
         """Every rank contributes a report; None when there is no group to exchange with
@@ -302,48 +249,11 @@ class Runtime:
         self.children.forget(self.link)
 
 
-class _Children:
-    """Leader before its group exists: the trial Lightning's children start with, and
-    the variables that tell them where it is (set just before they start)."""
-
-    def __init__(self) -> None:
-        self.first: tuple[int, bytes] | None = None
-        self._set_env: list[str] = []
-
-    def prepare(self, link: Link, signer: Signer) -> None:
-        if self.first is None:
-            return
-        seq, payload = self.first
-        address, trial_file = link.leave_trial_for_children(seq, payload)
-        env = {
-            ENV_LEADER: address,
-            ENV_FIRST_SEQ: str(seq),
-            ENV_FIRST_TRIAL: trial_file,
-            ENV_CHILD_SECRET: f"{secret_text(signer.secret)}.{signer.search.hex()}",
-        }
-        os.environ.update(env)
-        self._set_env = list(env)
-
-    def forget(self, link: Link) -> None:
-        """The children have joined (or the run ends): nothing left to inherit."""
-        for name in self._set_env:
-            os.environ.pop(name, None)
-        if self._set_env:
-            link.forget_trial()
-        self._set_env = []
-
-
 def _relatives(launch: Launch, group_rank: int) -> list[peers.Peer]:
     """The group as this process sees it by itself (a peer's record is missing)."""
     if launch.kind == "external":
         return peers.launch_relatives(launch.identity, launch.rank_variable, group_rank)
     return peers.lightning_relatives(launch.kind)
-
-
-def _expect_order(message: Message, tag: str) -> TrialMessage | StopMessage:
-    if not isinstance(message, TrialMessage | StopMessage):
-        raise ProtocolError(format_message(tag, f"expected a trial, got {message!r}."))
-    return message
 
 
 def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostError:

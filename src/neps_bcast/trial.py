@@ -4,9 +4,10 @@ Every rank, leader and follower alike, evaluates a trial the same way
 (``evaluate_once``): it calls the user's function; inside it, ``session()`` meets the
 other ranks (``TrialRun.enter_session``: every rank must hold the same trial); if any
 rank raises, it publishes its error on the error board and releases the group
-(``TrialRun.fail``), so peers blocked in the user's collectives fail at once; and at the
-end every rank reports how its function ended (``TrialRun.end``), so every rank learns
-every failure of the trial, root cause first.
+(``TrialRun.fail``, with ``trial_failure``), so peers blocked in the user's collectives
+fail at once; and at the end every rank reports how its function ended
+(``TrialRun.end``), so every rank learns every failure of the trial, root cause first.
+Where the trial needs the user's group formed first, ``trial_forming`` forms it.
 
 Ranks may reach different points after a failure (one raised before its session while
 the others entered theirs): each exchange carries its ``Phase``, and a rank that sees a
@@ -17,16 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from neps_bcast import faults
+from neps_bcast import faults, trial_failure, trial_forming
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
-from neps_bcast.compat.torch import is_peer_closed, release_destroyed_groups
-from neps_bcast.ddp.forming import FormingAbandoned
+from neps_bcast.compat.torch import release_destroyed_groups
 from neps_bcast.ddp.teardown import Freed, trial_starts
 from neps_bcast.errors import (
     ErrorRecord,
@@ -35,15 +34,13 @@ from neps_bcast.errors import (
     ProtocolError,
     TrialFailedError,
     TrialMismatchError,
-    failure_text,
     first_line,
     format_message,
     sort_records,
 )
-from neps_bcast.recovery.signals import Terminated, indivisible, preemption
+from neps_bcast.recovery.signals import indivisible, preemption
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
-from neps_bcast.transport.store import ErrorBoard, Keys
 
 
 class TrialRun:
@@ -93,7 +90,7 @@ class TrialRun:
         # of the trial is signed with it (a rank that raised before forming kept the
         # old one, and its trial-end exchange was refused as forged: the fault sweep).
         self.rt.group.generation = generation
-        self._form(Keys.group(generation), lambda: self.rt.reform_group(generation))
+        trial_forming.reform(self.rt, generation)
         reports = self.rt.exchange(self._report(Phase.GROUP_FORMED))
         if reports is not None:
             self._check_meeting(reports, Phase.GROUP_FORMED)
@@ -115,41 +112,10 @@ class TrialRun:
         self.in_session = True
 
     def _form_group_if_none(self, reports: list[Report]) -> None:
-        """External launches: every rank is in its session; if no rank's code formed a
-        group (the user's code forms it later, or uses one without forming it), form
-        one now. A group that only some ranks formed is an error of the user's code."""
-        if self.rt.launch.kind != "external" or self.rt.link.store is None:
-            return  # Lightning's launches: Lightning forms it; no store: nowhere to form it
-        having = [r.group_rank for r in reports if r.has_group]
-        if len(having) == len(reports):
-            return
-        if having:
-            each = ", ".join(
-                f"rank {r.group_rank}: {'formed' if r.has_group else 'none'}" for r in reports
-            )
-            raise ProtocolError(
-                format_message(
-                    self.rt.tag,
-                    "at neps_bcast.session() some ranks have a default process group and"
-                    f" others not; expected the same on every rank, observed {each}.",
-                    "call dist.init_process_group on every rank before"
-                    " `with neps_bcast.session()`, or on none (neps_bcast then forms it).",
-                )
-            )
-        self._form(
-            Keys.trial_group(self.message.seq),
-            lambda: self.rt.form_group_for_session(self.message.seq),
-        )
-        self.formed_group = True
-
-    def _form(self, key: str, form: Callable[[], None]) -> None:
-        """Form the group under the store prefix ``key``; if anything in it raises, tell
-        the peers that may wait to form it with this rank first (they raise at once)."""
-        try:
-            form()
-        except BaseException:
-            self.rt.abandon_forming(key)
-            raise
+        """External launches: form a group now if no rank's code formed one
+        (``trial_forming.form_if_none``)."""
+        if trial_forming.form_if_none(self.rt, self.message.seq, reports):
+            self.formed_group = True
 
     def _check_meeting(self, reports: list[Report], phase: Phase) -> None:
         if any(r.phase == Phase.TRIAL_END for r in reports):
@@ -158,7 +124,7 @@ class TrialRun:
             self._end_reports = reports
             records = sort_records([r.error for r in reports if r.error is not None])
             if records:
-                raise TrialFailedError(self._failed_text(records), failures=records)
+                raise self.failed_error(records)
             raise ProtocolError(self._mismatch(reports).message)
         if any(r.phase != phase for r in reports):
             raise ProtocolError(self._mismatch(reports).message)
@@ -177,48 +143,18 @@ class TrialRun:
     def fail(self, exc: BaseException) -> list[ErrorRecord]:
         """This rank raised: publish it, release the peers, return every known failure."""
         rt = self.rt
-        record = ErrorRecord.from_exception(
-            rt.group_rank,
-            exc,
-            pid=os.getpid(),
-            secondary=isinstance(exc, FormingAbandoned)
-            or is_peer_closed(exc, group_released=rt.group.broken),
-            preempted=isinstance(exc, Terminated),
-        )
+        record = trial_failure.record(rt, exc)
         self.mine = record
         rt.log(logging.ERROR, "trial %s raised %s", self.message.trial_id, first_line(exc))
-        self._publish(record)
+        board = trial_failure.board(rt)
+        if board is not None and not self._published:
+            self._published = True
+            trial_failure.publish(rt, board, self.message.seq, record)
         if (rt.world_size or 0) > 1 or rt.group.exists():
-            rt.release_group(exc)
-        others = [r for r in self._board_records() if r.group_rank != rt.group_rank]
+            trial_failure.release_group(rt, exc)
+        published = trial_failure.published(rt, self.message.seq)
+        others = [r for r in published if r.group_rank != rt.group_rank]
         return sort_records([record, *others])
-
-    def _board(self) -> ErrorBoard | None:
-        store = self.rt.link.store
-        return ErrorBoard(store, self.rt.signer) if store is not None else None
-
-    def _publish(self, record: ErrorRecord) -> None:
-        board = self._board()
-        if self._published or board is None:
-            return
-        self._published = True
-        try:
-            board.publish(self.message.seq, record)
-        except Exception as exc:
-            if self.rt.group_rank != 0:
-                raise self.rt.lost(exc) from exc
-            raise
-
-    def _board_records(self) -> list[ErrorRecord]:
-        board = self._board()
-        if board is None or self.rt.world_size is None:
-            return []
-        try:
-            return board.read(self.message.seq, self.rt.world_size)
-        except Exception as exc:
-            if self.rt.group_rank != 0:
-                raise self.rt.lost(exc) from exc
-            raise
 
     # -- trial end -------------------------------------------------------------
     def end(self, error: BaseException | None) -> list[ErrorRecord]:
@@ -235,7 +171,7 @@ class TrialRun:
             if not records and any(r.phase != Phase.TRIAL_END for r in reports):
                 records = [self._mismatch(reports)]
         if records and (self.rt.world_size or 0) > 1 and not self.rt.group.broken:
-            self.rt.release_group()
+            trial_failure.release_group(self.rt)
         return sort_records(records)
 
     def interrupted(self, exc: BaseException) -> None:
@@ -246,19 +182,12 @@ class TrialRun:
             self.end(exc)
 
     def _mismatch(self, reports: list[Report]) -> ErrorRecord:
-        where = ", ".join(f"rank {r.group_rank} at {r.phase.value}" for r in reports)
-        text = format_message(
-            self.rt.tag,
-            f"the ranks reached different points of trial {self.message.trial_id}: {where}.",
-            "call neps_bcast.session() on every rank, once per trial, or on none.",
-        )
-        return ErrorRecord.from_exception(self.rt.group_rank, ProtocolError(text), pid=os.getpid())
+        return trial_failure.mismatch(self.rt, self.message.trial_id, reports)
 
     def failed_error(self, records: list[ErrorRecord]) -> TrialFailedError:
-        return TrialFailedError(self._failed_text(records), failures=records)
-
-    def _failed_text(self, records: list[ErrorRecord]) -> str:
-        return format_message(self.rt.tag, failure_text(records, self.message.trial_id))
+        return TrialFailedError(
+            trial_failure.failed_text(self.rt, records, self.message.trial_id), failures=records
+        )
 
 
 _RUNNING: weakref.WeakKeyDictionary[Runtime, TrialRun] = weakref.WeakKeyDictionary()
