@@ -26,7 +26,7 @@ from neps.state.neps_state import NePSState
 
 import neps_bcast
 from harness import LAUNCH_VARS
-from neps_bcast import leader, runtime
+from neps_bcast import leader_trial, runtime
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
@@ -387,7 +387,7 @@ def lead(
         outcomes: list[Any] = []
         for kwargs in plan:
             try:
-                outcomes.append(leader.evaluate_on_group(rt, fn, dict(kwargs), Path("/r")))
+                outcomes.append(leader_trial.evaluate_on_group(rt, fn, dict(kwargs), Path("/r")))
             except Exception as exc:  # NePS records it; so do we
                 outcomes.append(exc)
         rt.shutdown("the search is over")
