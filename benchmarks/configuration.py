@@ -228,6 +228,19 @@ top rung on all 8 devices (rule and prediction in pool_bench.md, stated before m
 75 evaluations: one whole hyperband iteration (65) plus 10, since 8 workers sample the next
 iteration while a rung waits (curve B's pool ran 6 of the iteration's 8 top-rung trials)."""
 
+CURVE_C4 = PoolCurve(
+    name="C4",
+    max_epochs=27,
+    fixed_epochs=0.0,
+    serial_fraction=0.01,
+    rule=((1, 1), (3, 2), (9, 4), (27, 4)),
+    evaluations=75,
+    fixed=((2, 4), (4, 2)),
+)
+"""Curve C with its top rung on 4 ranks instead of 8 (chosen after curve C's run, to test
+the advice it led to: keep the widest rung below D so wide trials need not drain the whole
+pool); compared with C's two best fixed layouts, 2x4 and 4x2, measured beside it."""
+
 CURVE_BO = PoolCurve(
     name="BO",
     max_epochs=16,
@@ -286,7 +299,7 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
     "full": PoolConfig(
         devices=8,
         t_epoch=1.0,
-        curves=(CURVE_A, CURVE_B, CURVE_BO, CURVE_C),  # C last: the README's row
+        curves=(CURVE_A, CURVE_B, CURVE_BO, CURVE_C4, CURVE_C),  # C last: the README's row
         runs=1,
         deadline_s=900,
     ),
