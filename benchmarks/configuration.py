@@ -139,10 +139,14 @@ CONFIGS: dict[Mode, BenchConfig] = {"quick": QUICK, "full": FULL}
 
 
 # ----------------------------------------------------------------------------- the pool section
-POOL_UTILIZATION_GOAL = 0.9
-"""Device utilization (busy device-seconds / (D x search wall)) at least this."""
-POOL_WALL_GOAL = 0.67
-"""The pool's search wall at most this times the best fixed layout's."""
+POOL_UTILIZATION_GOAL = 0.95
+"""Device utilization (busy device-seconds / (D x search wall)) at least this (issue 36;
+the first goal, 90%, was issue 22's)."""
+POOL_BOUND_GOAL = 1.05
+"""The pool's search wall at most this times its own lower bound (its trials'
+device-seconds / D, or its longest trial): what placement loses (issue 36). Issue 22's
+goal, 0.67x the best fixed layout's wall, lay below that bound on every curve measured;
+the ratio to the best fixed layout is still reported."""
 POOL_SCHEDULING_GOAL_MS = 50.0
 """The pool's scheduling cost per trial (placement -> every rank in the function), median,
 at most this many ms more than the start cost (a fixed layout's NePS trial start -> every

@@ -21,9 +21,9 @@ from typing import Any
 import yaml
 
 from configuration import (
+    POOL_BOUND_GOAL,
     POOL_SCHEDULING_GOAL_MS,
     POOL_UTILIZATION_GOAL,
-    POOL_WALL_GOAL,
     RAW,
     WORKLOADS,
     PoolConfig,
@@ -247,6 +247,13 @@ def idle_tail_start(intervals: list[tuple[float, float]], devices: int, default:
         if before >= devices / 2 > busy:
             fell = moment
     return fell
+
+
+def bound_ratio(layout: Record) -> float | None:
+    """A launch's search wall over its own lower bound (``wall_bound_s``): what placement
+    and everything between trials cost it."""
+    wall, bound = layout.get("search_wall_s"), layout.get("wall_bound_s")
+    return None if wall is None or not bound else wall / bound
 
 
 def median(values: list[float]) -> float | None:
@@ -536,7 +543,10 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
             if pool["utilization"] is None
             else pool["utilization"] >= POOL_UTILIZATION_GOAL,
             "wall_ratio": ratio,
-            "wall_met": None if ratio is None else ratio <= POOL_WALL_GOAL,
+            "bound_ratio": bound_ratio(pool),
+            "bound_met": None
+            if bound_ratio(pool) is None
+            else bound_ratio(pool) <= POOL_BOUND_GOAL,
             "sched_ms": pool["sched_ms_median"],
             "sched_limit_ms": limit,
             "sched_met": None
