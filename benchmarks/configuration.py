@@ -8,7 +8,7 @@ frozen dataclasses; ``dataclasses.asdict`` of one is the ``config`` block of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -232,14 +232,8 @@ top rung on all 8 devices (rule and prediction in pool_bench.md, stated before m
 75 evaluations: one whole hyperband iteration (65) plus 10, since 8 workers sample the next
 iteration while a rung waits (curve B's pool ran 6 of the iteration's 8 top-rung trials)."""
 
-CURVE_C4 = PoolCurve(
-    name="C4",
-    max_epochs=27,
-    fixed_epochs=0.0,
-    serial_fraction=0.01,
-    rule=((1, 1), (3, 2), (9, 4), (27, 4)),
-    evaluations=75,
-    fixed=((2, 4), (4, 2)),
+CURVE_C4 = replace(
+    CURVE_C, name="C4", rule=((1, 1), (3, 2), (9, 4), (27, 4)), fixed=((2, 4), (4, 2))
 )
 """Curve C with its top rung on 4 ranks instead of 8 (chosen after curve C's run, to test
 the advice it led to: keep the widest rung below D so wide trials need not drain the whole
