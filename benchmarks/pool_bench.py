@@ -21,9 +21,7 @@ from typing import Any
 import yaml
 
 from configuration import (
-    POOL_BOUND_GOAL,
     POOL_SCHEDULING_GOAL_MS,
-    POOL_UTILIZATION_GOAL,
     RAW,
     WORKLOADS,
     PoolConfig,
@@ -537,21 +535,12 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
             else None
         )
         limit = None if start_cost is None else POOL_SCHEDULING_GOAL_MS + start_cost
-        goals[key] = {
+        goals[key] = {  # the figures the goals are judged on (pool_report.goal_rows)
             "utilization": pool["utilization"],
-            "utilization_met": None
-            if pool["utilization"] is None
-            else pool["utilization"] >= POOL_UTILIZATION_GOAL,
             "wall_ratio": ratio,
             "bound_ratio": bound_ratio(pool),
-            "bound_met": None
-            if bound_ratio(pool) is None
-            else bound_ratio(pool) <= POOL_BOUND_GOAL,
             "sched_ms": pool["sched_ms_median"],
             "sched_limit_ms": limit,
-            "sched_met": None
-            if limit is None or pool["sched_ms_median"] is None
-            else pool["sched_ms_median"] <= limit,
         }
     return {
         "curve": curve.name,
