@@ -1,9 +1,9 @@
 """neps_bcast vs NePS 0.17's built-in DDP mode, side by side, interleaved, in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --quick   # make bench (~7 min)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min + pool)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min + the pool)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --only groups   # one section (~2 min)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (25-45 min)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (35-55 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --curves B --save
 
 Writes ``summary_<mode>.json``, ``REPORT.md`` and the PNG plots to ``benchmarks/results/``
