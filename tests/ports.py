@@ -11,12 +11,14 @@ listening, until the launch is over. On Linux:
   SO_REUSEADDR sockets are bound to; torch's TCPStore sets SO_REUSEADDR (libuv's bind
   does, and so does its older backend), so rank 0's store serves on the held port;
 * ``bind(port 0)`` never returns a port that a socket on an overlapping address is bound
-  to, with or without SO_REUSEADDR. The socket is bound to every IPv6 and IPv4 address
-  (``::``, dual-stack): bound to IPv4's ``0.0.0.0`` only, the port was still handed to
-  ``bind(("::1", 0))``, which is how torchrun's ``--standalone`` picks its port when
-  ``localhost`` resolves to ``::1`` first (measured, with tests/test_ports.py's run-up).
+  to, with or without SO_REUSEADDR, while ``net.ipv4.ip_autobind_reuse`` is 0 (the
+  default; at 1 a SO_REUSEADDR ``bind(port 0)`` may share it). The socket is bound to
+  every IPv6 and IPv4 address (``::``, dual-stack): bound to IPv4's ``0.0.0.0`` only, the
+  port is still handed to ``bind(("::1", 0))``, which is how torchrun's ``--standalone``
+  picks its port when ``localhost`` resolves to ``::1`` first.
 
-tests/test_ports.py shows both on the machine that runs the suite. A port is held for
+tests/test_ports.py shows both with the kernel and settings of the machine that runs the
+suite. A port is held for
 the whole launch, not only until its store listens: a requeued SLURM job binds it again
 later, and the port must still be nobody else's then.
 """

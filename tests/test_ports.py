@@ -1,14 +1,35 @@
 """tests/ports.py's two claims, shown on the machine that runs the suite: rank 0's store
 serves on a held port, and while it is held no one who asks the kernel for a free port is
-given it (the pickers of this suite's launchers, each called 2000 times)."""
+given it (the pickers of this suite's launchers).
+
+The second is shown in a network namespace of its own (``unshare --net``; a child
+process, so that the suite's own sockets stay where they are) whose ephemeral range is
+one port. There the answer does not hang on chance: no other process can take the port
+or free one (on the machine's whole range, pytest-xdist's other worker took the port the
+picks had been led to once it was freed, and the control failed), and the kernel, which
+never hands out a port outside the range, has only the held one to give: a picker that
+could be given it is given it at every pick. The kernel settings that decide the answer
+(``ip_autobind_reuse``: may bind(0) share a port with SO_REUSEADDR sockets; ``bindv6only``)
+are copied into the namespace from the machine's own. Two positive controls show that the
+check fails where a held port is handed out.
+"""
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import json
+import logging
+import os
+import random
 import socket
+import struct
+import subprocess
+import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, closing, contextmanager
+from collections.abc import Callable
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,8 +40,17 @@ from torch.distributed.elastic.utils.distributed import get_free_port
 from ports import HeldPort, bind_anywhere
 
 TIMEOUT = datetime.timedelta(seconds=30)
-PICKS = 2000
-RUN_UP = 1000
+PICKS = 200
+"""Picks per picker while the port is held. With one port in the range every pick asks
+the kernel the same question; several catch a picker that keeps state between calls."""
+THE_PORT = 50000
+"""The namespace's whole ephemeral range (any unprivileged port: nobody else is there)."""
+PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+KERNEL_SETTINGS = [
+    Path("/proc/sys/net/ipv4/ip_autobind_reuse"),
+    Path("/proc/sys/net/ipv6/bindv6only"),
+]
+CHILD_TIMEOUT_S = 120
 
 
 def rank_0s_store(port: int, use_libuv: bool) -> dist.TCPStore:
@@ -72,6 +102,13 @@ def another_held_port() -> int:
         return port
 
 
+def a_random_port_of_the_ephemeral_range() -> int:
+    """A picker that never asks the kernel (``MASTER_PORT=$((RANDOM + 20000))``): the
+    positive control, handed the held port at every pick in the one-port range."""
+    low, high = map(int, PORT_RANGE.read_text().split())
+    return random.randint(low, high)
+
+
 PICKERS: dict[str, Callable[[], int]] = {
     "a_bind_to_port_0_on_loopback": a_bind_to_port_0_on_loopback,
     "lightnings_free_port": find_free_network_port,  # Lightning's MASTER_PORT when unset
@@ -81,43 +118,132 @@ PICKERS: dict[str, Callable[[], int]] = {
 }
 
 
-@contextmanager
-def run_up_to(port: int) -> Iterator[int]:
-    """Takes the ports that bind(0) tries just before ``port`` (every second one below it,
-    wrapping within the ephemeral range, as the kernel scans), as many as it can bind of
-    RUN_UP: a pick whose random start lands among them scans up to ``port`` next. Without
-    it, 2000 picks would reach one port of ~14000 only by chance. Yields how many."""
-    text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
-    low, high = map(int, text.split())
-    span = (high + 1 - low) & ~1
-    with ExitStack() as stack:
-        taken = 0
-        for step in range(1, min(RUN_UP, span // 2 - 1) + 1):
-            below = low + (port - low - 2 * step) % span
-            try:
-                stack.enter_context(closing(bind_anywhere(below, reuseaddr=False)))
-            except OSError:
-                continue  # another process holds it: taken all the same
-            taken += 1
-        yield taken
+class HeldOnIPv4Only(HeldPort):
+    """A hold as tests/ports.py's first one was: bound to IPv4's 0.0.0.0 only."""
+
+    def __init__(self) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("0.0.0.0", 0))
+        self.number = self._socket.getsockname()[1]
 
 
-@pytest.mark.parametrize("pick", PICKERS.values(), ids=PICKERS.keys())
-def test_no_free_port_picker_is_given_a_held_port(
-    pick: Callable[[], int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv("STANDALONE_PORT", raising=False)  # Lightning would return it
-    held = HeldPort()
+CHECKS: dict[str, tuple[Callable[[], HeldPort], Callable[[], int]]] = {
+    **{name: (HeldPort, pick) for name, pick in PICKERS.items()},
+    "a_random_port_of_the_ephemeral_range": (HeldPort, a_random_port_of_the_ephemeral_range),
+    "a_bind_to_port_0_on_ipv6_loopback_beside_an_ipv4_hold": (
+        HeldOnIPv4Only,
+        a_bind_to_port_0_on_ipv6_loopback,
+    ),
+}
+"""Each check: how the port is held, and who picks while it is."""
+
+
+@dataclass(frozen=True)
+class Picks:
+    """What one picker was given in the namespace: the held port's number, what its
+    PICKS picks got while the port was held (a port, or the error of a pick refused for
+    want of one: the range has no other), and what one pick got once it was free."""
+
+    held: int
+    while_held: dict[str, int]
+    once_free: str
+
+    @property
+    def given_while_held(self) -> int:
+        return self.while_held.get(str(self.held), 0)
+
+
+def outcome(pick: Callable[[], int]) -> str:
     try:
-        with run_up_to(held.number) as taken:
-            given = Counter(pick() for _ in range(PICKS))
-            held.release()
-            # The control: the same picks, the port free, reach it within as many tries.
-            reached = next((i for i in range(PICKS) if pick() == held.number), None)
+        return str(pick())
+    except (OSError, RuntimeError) as error:  # no port left: torchrun's is a RuntimeError
+        return repr(error)
+
+
+def picks_of(hold: Callable[[], HeldPort], pick: Callable[[], int]) -> Picks:
+    held = hold()
+    try:
+        while_held = Counter(outcome(pick) for _ in range(PICKS))
+        held.release()
+        once_free = outcome(pick)
     finally:
         held.release()
-    assert given[held.number] == 0, f"port {held.number} was given out while held"
-    assert reached is not None, (
-        f"{PICKS} picks never reached port {held.number} once it was free, with {taken} ports"
-        " below it taken: the run-up does not lead them there, and the test shows nothing"
+    return Picks(held.number, dict(while_held), once_free)
+
+
+def bring_loopback_up() -> None:
+    """``ip link set lo up``, without needing iproute2: a new namespace's lo is down."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
+def in_own_network(settings: dict[str, str], out: Path) -> None:
+    """The child's part, run in the namespace: set it up as the machine is, but with a
+    one-port range, and write each check's Picks to ``out``."""
+    bring_loopback_up()
+    for path, value in settings.items():
+        Path(path).write_text(value)
+    PORT_RANGE.write_text(f"{THE_PORT} {THE_PORT}")
+    os.environ.pop("STANDALONE_PORT", None)  # Lightning would return it
+    # torchrun's picker logs each refused bind with its traceback: keep stderr readable
+    logging.getLogger("torch.distributed.elastic.utils.distributed").setLevel(logging.ERROR)
+    records = {name: picks_of(hold, pick).__dict__ for name, (hold, pick) in CHECKS.items()}
+    out.write_text(json.dumps(records))
+
+
+@pytest.fixture(scope="module")
+def picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Picks]:
+    """Every check's picks, from one child process in a network namespace of its own."""
+    unshare = ["unshare", "--net"]
+    if os.geteuid() != 0:
+        unshare = ["unshare", "--map-root-user", "--net"]
+    settings = {str(path): path.read_text().strip() for path in KERNEL_SETTINGS if path.exists()}
+    out = tmp_path_factory.mktemp("picks") / "picks.json"
+    child = subprocess.run(
+        [*unshare, sys.executable, __file__, json.dumps(settings), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        check=False,
     )
+    if child.returncode != 0:
+        pytest.fail(
+            f"the picks in a network namespace of their own exited {child.returncode};"
+            f" stderr's tail:\n{child.stderr[-3000:]}\nHINT: `{' '.join(unshare)} true` must"
+            " work (root, or unprivileged user namespaces allowed)"
+        )
+    return {name: Picks(**record) for name, record in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.parametrize("name", PICKERS.keys())
+def test_no_free_port_picker_is_given_a_held_port(picks: dict[str, Picks], name: str) -> None:
+    assert picks[name].given_while_held == 0, picks[name]
+
+
+@pytest.mark.parametrize("name", PICKERS.keys())
+def test_a_picker_is_given_the_port_once_it_is_free(picks: dict[str, Picks], name: str) -> None:
+    """The control of the test above: the one port the picks could be given is the held one."""
+    assert picks[name].once_free == str(picks[name].held), picks[name]
+
+
+def test_a_picker_that_never_asks_the_kernel_is_given_the_held_port(
+    picks: dict[str, Picks],
+) -> None:
+    """The positive control: where a picker can be handed a held port, the check counts it."""
+    assert picks["a_random_port_of_the_ephemeral_range"].given_while_held == PICKS
+
+
+def test_a_port_held_on_ipv4_only_is_given_to_a_bind_on_ipv6_loopback(
+    picks: dict[str, Picks],
+) -> None:
+    """Why tests/ports.py holds a port on every IPv6 and IPv4 address."""
+    check = picks["a_bind_to_port_0_on_ipv6_loopback_beside_an_ipv4_hold"]
+    assert check.given_while_held == PICKS, check
+
+
+if __name__ == "__main__":
+    in_own_network(json.loads(sys.argv[1]), Path(sys.argv[2]))
