@@ -19,9 +19,7 @@ from configuration import (
     RESULTS,
 )
 from pool_bench import bound_ratio, is_pool
-from report import Row, markdown_table, number, verdict
-
-Summary = dict[str, Any]
+from tables import Row, Summary, markdown_table, number, verdict
 
 
 def plot_name(curve: str) -> str:

@@ -24,9 +24,9 @@ from configuration import (
     Mode,
     layout_key,
 )
+from pool_report import pool_headline_row, pool_section
+from tables import Row, Summary, markdown_table, number, verdict
 
-Summary = dict[str, Any]
-Row = tuple[str, ...]
 MAIN_HEADER = "metric | neps_bcast (ours) | NePS built-in | built-in / ours | goal"
 HANDOFF = "handoff median, NePS trial start -> last follower starts (ms), world {world}"
 OVERHEAD = "per-trial control overhead, median (ms), world {world}"
@@ -53,19 +53,10 @@ def worlds(summary: Summary, section: str = "plain") -> list[str]:
     return sorted(summary.get(section, {}), key=int)
 
 
-def number(value: float | None, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def ratio(numerator: Any, denominator: Any) -> str:
     if not isinstance(numerator, float | int) or not isinstance(denominator, float | int):
         return "n/a"
     return "n/a (ours ~0)" if denominator == 0 else f"{numerator / denominator:.2f}x"
-
-
-def verdict(met: bool | None) -> str:
-    """A goal cell's verdict; None: not measured."""
-    return "no data" if met is None else "met" if met else "NOT met"
 
 
 def at_most(value: float | None, limit: float | None, unit: str) -> str:
@@ -84,11 +75,6 @@ def compared(label: str, values: list[Any], digits: int = 2, goal: str = "") -> 
     """A row measured for both systems; the ratio is built-in / ours."""
     ours, builtin = values
     return (label, number(ours, digits), number(builtin, digits), ratio(builtin, ours), goal)
-
-
-def markdown_table(header: str, rows: list[Row]) -> str:
-    lines = [f"| {header} |", "|" + "---|" * (header.count("|") + 1)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 # ----------------------------------------------------------------------------- main table
@@ -324,8 +310,6 @@ def pool_rows(summary: Summary) -> list[Row]:
     """The right-sized pool's README row, where the run measured it (``--full``)."""
     if "pool" not in summary:
         return []
-    from pool_report import pool_headline_row
-
     return [pool_headline_row(summary)]
 
 
@@ -333,8 +317,6 @@ def pool_text(summary: Summary) -> str:
     """The right-sized pool's section (``pool_report``), where the run measured it."""
     if "pool" not in summary:
         return ""
-    from pool_report import pool_section
-
     return pool_section(summary) + "\n"
 
 

@@ -43,14 +43,8 @@ from measurement import measure_all, measure_group_layouts, progress
 from plots import save_plots
 from pool_bench import measure_pool_section, read_raw_launches, summarize_pool
 from pool_report import pool_headline_row, pool_section, save_pool_plots, splice_section
-from report import (
-    MAIN_HEADER,
-    groups_row,
-    groups_table,
-    headline_rows,
-    markdown_table,
-    render_report,
-)
+from report import MAIN_HEADER, groups_row, groups_table, headline_rows, render_report
+from tables import markdown_table
 
 
 def machine_description() -> dict[str, str]:
