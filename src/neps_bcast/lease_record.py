@@ -104,12 +104,21 @@ def next_worker_id(worker_id: str, entry: int) -> str:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One evaluation of the trial that an infrastructure failure interrupted."""
+    """One evaluation of the trial that an infrastructure failure interrupted.
+
+    Where it ran (``ranks``, and in a pool ``devices`` of the launch ``launch_id``) is
+    recorded since ``neps-bcast status --plot`` draws each attempt on its group's or
+    device's row; a lease written before that has none of them (None)."""
 
     owner: Owner
     started: float
     ended: float
     how: str
+    ranks: int | None = None
+    devices: tuple[int, ...] | None = None
+    """A pool's device indices the attempt ran on (its placement's)."""
+    launch_id: str | None = None
+    """The pool launch that placed it (None: not in a pool)."""
 
     def describe(self, number: int) -> str:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
@@ -143,15 +152,27 @@ class Lease:
             owner=Owner(**owner) if owner else None,
             started=float(raw["started"]),
             heartbeat=float(raw["heartbeat"]),
-            attempts=tuple(
-                Attempt(Owner(**a["owner"]), a["started"], a["ended"], a["how"])
-                for a in raw.get("attempts", ())
-            ),
+            attempts=tuple(_attempt(a) for a in raw.get("attempts", ())),
             ranks=int(raw["ranks"]) if raw.get("ranks") is not None else None,
         )
 
     def history(self) -> str:
         return "; ".join(a.describe(n) for n, a in enumerate(self.attempts, 1))
+
+
+def _attempt(raw: dict[str, Any]) -> Attempt:
+    """One attempt of a lease's history; ``ranks``, ``devices`` and ``launch_id`` may be
+    absent (a lease an older neps_bcast wrote)."""
+    devices = raw.get("devices")
+    return Attempt(
+        Owner(**raw["owner"]),
+        float(raw["started"]),
+        float(raw["ended"]),
+        str(raw["how"]),
+        ranks=int(raw["ranks"]) if raw.get("ranks") is not None else None,
+        devices=tuple(int(d) for d in devices) if devices is not None else None,
+        launch_id=str(raw["launch_id"]) if raw.get("launch_id") is not None else None,
+    )
 
 
 def parse_lease(trial_dir: Path) -> Lease | None:

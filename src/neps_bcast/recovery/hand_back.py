@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_trials
 from neps_bcast.config import Settings
+from neps_bcast.launcher import trial_placement
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease_file import (
     Attempt,
@@ -99,6 +101,7 @@ class HandBack:
         attempt: Attempt,
     ) -> str:
         """Under NePS's lock: record ``attempt``; pending, or crashed past the limit."""
+        attempt = where_it_ran(attempt, lease, trial_dir)
         now = time.time()
         released = Lease(trial_id, None, lease.started, now, (*lease.attempts, attempt))
         write_lease(trial_dir, released)
@@ -113,3 +116,18 @@ class HandBack:
             return f"recorded crashed after {count} interruptions"
         book.set_pending(trial_id)
         return f"back to pending (interruption {count} of at most {self.max_retries} retried)"
+
+
+def where_it_ran(attempt: Attempt, lease: Lease, trial_dir: Path) -> Attempt:
+    """``attempt`` with its group's size (the lease's) and, in a pool, the devices the
+    launcher placed it on (the trial's placement, if written since the attempt started):
+    ``neps-bcast status --plot`` draws each attempt on its row."""
+    placement = trial_placement.read(trial_dir)
+    if placement is not None and placement.placed >= lease.started:
+        return replace(
+            attempt,
+            ranks=len(placement.devices),
+            devices=placement.devices,
+            launch_id=placement.launch_id,
+        )
+    return replace(attempt, ranks=lease.ranks)
