@@ -4,7 +4,8 @@
 refusal happens here, before any process starts), then hands the plan to ``groups.run``
 (K groups of N ranks) or, with ``--pool D``, to ``pool.run`` (right-sized trials on D
 devices). ``neps-bcast status ROOT``: what the search on a NePS root is doing
-(``search_status.py``; reads files only, imports neither NePS nor torch). Errors print
+(``search_status.py``; reads files only, imports neither NePS nor torch), with
+``--plot FILE`` also as a picture (``search_plot.py``). Errors print
 as ``[neps_bcast launch] what happened. HINT: what to do.`` (``[neps_bcast status]``) and
 exit with status 2.
 """
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from neps_bcast.errors import LaunchError, SettingsError, format_message
-from neps_bcast.launcher import groups, plan, search_status, search_text
+from neps_bcast.launcher import groups, plan, search_plot, search_status, search_text
 from neps_bcast.pool import launcher as pool
 
 USAGE_EXAMPLE = "neps-bcast launch --groups 4 --nproc-per-group 2 train.py --trials 40"
@@ -131,6 +132,15 @@ def parser() -> argparse.ArgumentParser:
         help="show it again every SECONDS until Ctrl-C",
     )
     status.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+    status.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also draw the search into FILE (.png or .svg): a bar per attempt on its"
+        " group's or pool device's row, coloured by how it ended, and the best objective"
+        " so far over wall time; with --watch, redrawn each time",
+    )
     return top
 
 
@@ -247,10 +257,16 @@ def show_status(args: argparse.Namespace) -> int:
                     "pass e.g. --watch 5.",
                 )
             )
+        if args.plot is not None:
+            search_plot.check_path(args.plot)
         root = search_status.check_root(args.root)
         while True:
-            status = search_status.read_status(root)
+            status = search_status.read_status(root, history=args.plot is not None)
             text = status.to_json() if args.json else search_text.render(status)
+            if args.plot is not None:
+                search_plot.save(search_plot.picture(status), args.plot)
+                if not args.json:
+                    text += f"\npicture: {args.plot}"
             if args.watch is not None and sys.stdout.isatty():
                 sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
             sys.stdout.write(text + "\n")

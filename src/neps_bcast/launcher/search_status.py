@@ -24,7 +24,7 @@ import json
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,33 @@ from neps_bcast.lease_record import Lease, Owner, parse_lease, why_dead
 TAG = "neps_bcast status"
 DEFAULT_ROOT = "neps_results"
 """``neps.run``'s default ``root_directory``."""
+
+
+OUTCOMES = ("success", "failed", "crashed", "put back", "running")
+"""How an attempt ended (``AttemptSpan.outcome``): NePS's final state for the last
+attempt, ``put back`` for one an infrastructure failure interrupted, ``running``."""
+
+
+@dataclass(frozen=True)
+class AttemptSpan:
+    """One attempt of a trial, from its start to its end, and where it ran."""
+
+    number: int
+    start: float
+    end: float | None
+    """None: still running."""
+    outcome: str
+    """An ``OUTCOMES`` value."""
+    host: str | None = None
+    pid: int | None = None
+    """Its leader's process (a pool: the agent's)."""
+    ranks: int | None = None
+    devices: tuple[int, ...] | None = None
+    """A pool: the devices it ran on."""
+    launch_id: str | None = None
+    """A pool: the launch that placed it."""
+    cause: str | None = None
+    """Why it was interrupted (a put-back attempt; a running one whose lease is stale)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,8 @@ class TrialStatus:
     objective: float | list[float] | None = None
     cost: float | None = None
     error: str | None = None
+    attempts: tuple[AttemptSpan, ...] = ()
+    """Every attempt, in order (only when read with ``history``: ``--plot`` draws them)."""
 
 
 @dataclass(frozen=True)
@@ -158,11 +187,13 @@ def _natural(trial_id: str) -> tuple[Any, ...]:
 
 
 def read_status(
-    root: Path, settings: Settings | None = None, now: float | None = None
+    root: Path, settings: Settings | None = None, now: float | None = None, history: bool = False
 ) -> SearchStatus:
-    """The search on ``root`` now (``check_root`` first)."""
+    """The search on ``root`` now (``check_root`` first). ``history``: each trial's
+    attempts too (``TrialStatus.attempts``; a finished pool trial's placement is read
+    for it, one file more per trial)."""
     try:
-        return _read_status(root, settings, now)
+        return _read_status(root, settings, now, history)
     except OSError as exc:
         raise LaunchError(
             format_message(
@@ -174,7 +205,9 @@ def read_status(
         ) from exc
 
 
-def _read_status(root: Path, settings: Settings | None, now: float | None) -> SearchStatus:
+def _read_status(
+    root: Path, settings: Settings | None, now: float | None, history: bool
+) -> SearchStatus:
     settings = settings or Settings.from_env()
     now = time.time() if now is None else now
     me = Owner.me()
@@ -190,14 +223,16 @@ def _read_status(root: Path, settings: Settings | None, now: float | None) -> Se
         except (OSError, ValueError, KeyError, TypeError):
             lease = None
         placement = None
-        if files.state == "evaluating":
+        if files.state == "evaluating" or (history and files.time_started is not None):
             files_read += 1
             placement = trial_placement.read(directory)
-            if placement is not None and lease is not None and placement.placed < lease.started:
+            if placement is not None and _earlier(placement.placed, lease, files):
                 placement = None  # from an earlier attempt
-            if placement is not None:
+            if placement is not None and files.state == "evaluating":
                 placements.append(placement)
         trial = _trial_status(files, lease, placement, me, now, settings.lease_grace_s)
+        if history:
+            trial = replace(trial, attempts=attempt_spans(files, lease, placement, trial))
         trials.append(trial)
     trials.sort(key=lambda t: _natural(t.trial_id))
     by_id = {t.trial_id: t for t in trials}
@@ -229,6 +264,71 @@ def _read_status(root: Path, settings: Settings | None, now: float | None) -> Se
         devices=_devices(placements, by_id),
         files_read=files_read,
     )
+
+
+def _earlier(placed: float, lease: Lease | None, files: neps_files.TrialFiles) -> bool:
+    """A placement made before this attempt started (the lease's start, else NePS's)."""
+    if lease is not None and lease.owner is not None:
+        return placed < lease.started
+    return files.time_started is not None and placed < files.time_started
+
+
+def attempt_spans(
+    files: neps_files.TrialFiles,
+    lease: Lease | None,
+    placement: trial_placement.TrialPlacement | None,
+    trial: TrialStatus,
+) -> tuple[AttemptSpan, ...]:
+    """Every attempt of a trial: those its lease's history records as interrupted, then
+    the one NePS holds now (running, or ended as NePS recorded it).
+
+    The last attempt's start and end are NePS's (``time_started`` is set afresh at each
+    attempt, ``time_end`` when it ended); where it ran is its lease's (written by the
+    leader that took it: a lease whose owner is None was handed back and is an earlier
+    attempt's), else NePS's record of the worker, whose id names our leader's process.
+    A trial crashed by the retry limit ends with its last interrupted attempt."""
+    history = lease.attempts if lease is not None else ()
+    spans = [
+        AttemptSpan(
+            number=n,
+            start=a.started,
+            end=a.ended,
+            outcome="put back",
+            host=a.owner.host,
+            pid=a.owner.pid,
+            ranks=a.ranks,
+            devices=a.devices,
+            launch_id=a.launch_id,
+            cause=a.how,
+        )
+        for n, a in enumerate(history, 1)
+    ]
+    handed_back = lease is not None and lease.owner is None
+    if files.state == "crashed" and handed_back and spans:
+        spans[-1] = replace(spans[-1], outcome="crashed")
+        return tuple(spans)
+    running = files.state == "evaluating"
+    if files.time_started is None or not (running or files.state in neps_files.FINAL_STATES):
+        return tuple(spans)
+    owner = lease.owner if lease is not None and lease.owner is not None else None
+    if owner is None or (lease is not None and lease.started < files.time_started - 1.0):
+        owner = Owner.from_worker_id(files.evaluating_worker_id)
+    ranks = lease.ranks if lease is not None and lease.owner is not None else None
+    spans.append(
+        AttemptSpan(
+            number=len(spans) + 1,
+            start=files.time_started,
+            end=None if running else (files.time_end or files.time_started),
+            outcome="running" if running else files.state,
+            host=placement.host if placement is not None else owner.host if owner else None,
+            pid=owner.pid if owner is not None else None,
+            ranks=len(placement.devices) if placement is not None else ranks,
+            devices=placement.devices if placement is not None else None,
+            launch_id=placement.launch_id if placement is not None else None,
+            cause=trial.stale,
+        )
+    )
+    return tuple(spans)
 
 
 def _trial_status(
