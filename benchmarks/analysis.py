@@ -266,7 +266,7 @@ def summarize_bo_gap(raw: Record) -> Record:
     """Ours minus the built-in's time to the next trial, trial by trial (ms).
 
     Both launches are seeded alike, so trial n is the same BO step in both (the same
-    configs and acquisition work, benchmarks/bo_gap.md): the difference is what each
+    configs and acquisition work, benchmarks/studies/bo_gap.md): the difference is what each
     system adds around NePS's sampling, not two different BO problems."""
     ours, builtin = (
         [trial["sample_s"] for trial in raw["bo"][system]["trials"]] for system in SYSTEMS

@@ -424,7 +424,7 @@ def measure_all(config: BenchConfig, tmp: Path) -> Record:
         ]
 
     progress("5/7 Bayesian optimization at world 2 (interleaved)")
-    # Seeded: unseeded, each launch faces another BO problem (benchmarks/bo_gap.md).
+    # Seeded: unseeded, each launch faces another BO problem (benchmarks/studies/bo_gap.md).
     bayesian = PlainWorkload(
         tag="bo", trials=config.bo_trials, payloads=(), optimizer="bayesian_optimization", seed=0
     )

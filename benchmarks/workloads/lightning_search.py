@@ -117,7 +117,7 @@ def main() -> None:
         type=int,
         default=None,
         help="seed random, numpy and torch on every rank before the search: both systems then"
-        " face the same Bayesian optimization problem (benchmarks/bo_gap.md)",
+        " face the same Bayesian optimization problem (benchmarks/studies/bo_gap.md)",
     )
     ARGS = parser.parse_args()
     if ARGS.seed is not None:

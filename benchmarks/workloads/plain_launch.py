@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument(
-        "--script", default="plain_search.py", help="the rank's script, in this folder"
+        "--script", default="plain_search.py", help="the rank's script, relative to this folder"
     )
     args, rest = parser.parse_known_args()
     system = rest[rest.index("--system") + 1]

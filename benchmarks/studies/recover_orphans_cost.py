@@ -1,9 +1,9 @@
 """Cost of one ``Leases.recover_orphans()`` (what a leader runs after every trial).
 
-    PYTHONPATH=src python benchmarks/recover_orphans_cost.py ROOT [CALLS]
+    PYTHONPATH=src python benchmarks/studies/recover_orphans_cost.py ROOT [CALLS]
 
 ROOT: a finished NePS root (no orphans: the common case). Prints p10 / median / p90 of
-wall and CPU time per call, in ms. See benchmarks/bo_gap.md.
+wall and CPU time per call, in ms. See benchmarks/studies/bo_gap.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The pool against fixed layouts at real trial lengths (epochs of minutes): a projection
 from the placement model, with the per-trial costs measured at bench scale.
 
-    .venv/bin/python benchmarks/pool_projection.py                  # curves A, B, C; 1 s and 60 s epochs
-    .venv/bin/python benchmarks/pool_projection.py --t-epoch 1 60 600 --gap 0.55
+    .venv/bin/python benchmarks/studies/pool_projection.py                  # curves A, B, C; 1 s and 60 s epochs
+    .venv/bin/python benchmarks/studies/pool_projection.py --t-epoch 1 60 600 --gap 0.55
 
 Why: ``make bench-full`` measures with 1 s epochs on a loaded 2-core machine, where a
 trial's fixed costs (its group's start, NePS's work between an agent's trials) are a large
@@ -37,7 +37,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the pipeline's curves
 
 from configuration import CURVE_A, CURVE_B, CURVE_C, PoolCurve, fixed_layouts
 from neps_bcast.pool.placement import Placement

@@ -1,6 +1,6 @@
 """Can a warm process run Lightning / Fabric DDP trials of different group sizes one after another?
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/pool_warm_lightning.py \
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/studies/pool_warm_lightning.py \
         [--env elastic|plain] [--form visible|pinned]
 
 Why: a pool of warm ranks (issue 22) would hand one process trial A as rank 1 of 2, then

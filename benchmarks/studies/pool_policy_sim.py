@@ -1,6 +1,6 @@
 """Device utilization of three packing policies for a pool of D devices (a simulation).
 
-    .venv/bin/python benchmarks/pool_policy_sim.py [--devices 8] [--trials 3000] [--seeds 5]
+    .venv/bin/python benchmarks/studies/pool_policy_sim.py [--devices 8] [--trials 3000] [--seeds 5]
 
 Why: docs/pool-design.md proposes how `neps-bcast launch --pool D` packs trials of different
 sizes. This simulates the proposed model, not NePS: D warm processes, one per device, each a

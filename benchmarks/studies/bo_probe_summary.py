@@ -1,7 +1,7 @@
-"""Summarize bo_probe runs (benchmarks/bo_gap.md): python benchmarks/bo_probe_summary.py RUN_DIR...
+"""Summarize bo_probe runs (benchmarks/studies/bo_gap.md): python benchmarks/studies/bo_probe_summary.py RUN_DIR...
 (or ``--pairs OURS_DIR BUILTIN_DIR ...``: per-sample ratios of two runs of one BO problem)
 
-Each RUN_DIR holds the ``timings`` folder of one ``plain_launch.py --script bo_probe.py``
+Each RUN_DIR holds the ``timings`` folder of one ``plain_launch.py --script ../studies/bo_probe.py``
 run. Prints, per run: the sampled configs' digest (same digest = same BO problem), the
 medians over the samples after the first (which is the random initial design) of wall
 and CPU time, the follower ranks' CPU while the leader sampled, the GP fit and

@@ -1,8 +1,8 @@
 """Per-trial start cost of a trial's DDP group: fresh processes against warm ranks regrouped.
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/pool_start_cost.py \
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python benchmarks/studies/pool_start_cost.py \
         [--sizes 1 2 4 8] [--reps 5] [--modes fresh warm] [--raw FILE]
-    .venv/bin/python benchmarks/pool_start_cost.py --table-from FILE   # the table of a raw file
+    .venv/bin/python benchmarks/studies/pool_start_cost.py --table-from FILE   # the table of a raw file
 
 Why: `neps-bcast launch --pool D` (issue 22) runs trials of different sizes side by side,
 each its own DDP group. A trial's group either comes from k fresh processes (each imports

@@ -2,7 +2,7 @@
 trial 1" (the first call of the trial function), per rank, for a torchrun plain-DDP
 search and a pool's ranks, and whether the rank had imported Lightning by then.
 
-    python benchmarks/rank_start_cost.py [--runs 3]
+    python benchmarks/studies/rank_start_cost.py [--runs 3]
 
 A user's plain-DDP script imports torch and NePS (its search space) and never Lightning:
 every second a rank spends importing what the user did not ask for is paid by every rank

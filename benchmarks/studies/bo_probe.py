@@ -1,11 +1,11 @@
 """One rank of plain_search.py (or lightning_search.py) with NePS's sampler timed.
 
 Is Bayesian optimization slower under neps_bcast than under NePS's own DDP mode, and if
-so, is the BO problem the same? (benchmarks/bo_gap.md)
+so, is the BO problem the same? (benchmarks/studies/bo_gap.md)
 
-    python benchmarks/workloads/plain_launch.py --world 2 --script bo_probe.py --system ours|builtin \
-        --root R --timings T --trials 14 --optimizer bayesian_optimization
-    BO_PROBE_WORKLOAD=lightning_search python benchmarks/workloads/bo_probe.py \
+    python benchmarks/workloads/plain_launch.py --world 2 --script ../studies/bo_probe.py \
+        --system ours|builtin --root R --timings T --trials 14 --optimizer bayesian_optimization
+    BO_PROBE_WORKLOAD=lightning_search python benchmarks/studies/bo_probe.py \
         --system ours|builtin --root R --timings T --trials 14 --optimizer bayesian_optimization
 
 Every rank seeds ``random``, ``numpy`` and ``torch`` with ``BO_PROBE_SEED`` (default 0) at
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workloads"))  # the searches it times
 WORKLOAD = os.environ.get("BO_PROBE_WORKLOAD", "plain_search")
 """plain_search (started by plain_launch.py) or lightning_search (run directly)."""
 if WORKLOAD == "lightning_search":
