@@ -4,7 +4,8 @@
 # past its budget, NEPS_BCAST_LAUNCH_BUDGET): `make test` (unit and in-process tests, and
 # one launch per launcher and per guarantee class), `make test-e2e` (every other
 # end-to-end scenario), `make test-faults` (every fault at every step), `make test-slurm`
-# (a real SLURM cluster). .ci/run runs them all, and `make lint`.
+# (a real SLURM cluster), `make test-hosts` (torchrun across hosts made of network
+# namespaces, and hosts cut off). .ci/run runs them all, and `make lint`.
 # The virtual environment is built from requirements.lock (every package pinned,
 # installed without resolution so nothing can drift; torch is the 2.13.0 CPU wheel).
 # `make test-newest` runs the same suite in a second environment, .venv-newest: the same pins with
@@ -18,7 +19,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-e2e test-faults lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
+.PHONY: install demo test test-e2e test-faults test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
 
 install: $(STAMP)
 
@@ -41,7 +42,7 @@ test: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(TEST_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
 
 # Every other end-to-end scenario (tests/e2e), each launched as users launch it.
-E2E_LAUNCHES ?= 82
+E2E_LAUNCHES ?= 85
 test-e2e: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(E2E_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider tests/e2e
 
@@ -63,6 +64,17 @@ test-slurm: install
 		OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider tests/slurm; status=$$?; \
 	else status=1; fi; \
 	bash tests/slurm/cluster.sh stop; exit $$status
+
+# torchrun across hosts (tests/hosts): each host a network namespace with its own hostname
+# and address, on a bridge in a namespace of its own (198.18.0.0/15, never routed out), and
+# hosts cut off mid-training, between trials, the leader's, the rendezvous store's. Needs
+# root (CI is) and iproute2 (installed with apt-get when missing). Launches, one torchrun
+# per host: 2 (healthy) + 2 (a partition that heals) + 3 two-host cuts x (2 + 2 again) +
+# the 3-host cut (3 + 3 again) = 22.
+HOSTS_LAUNCHES ?= 22
+test-hosts: install
+	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
+	NEPS_BCAST_LAUNCH_BUDGET=$(HOSTS_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider tests/hosts
 
 # The GPU tier (tests/gpu; not in CI: CI has no GPU). By default with the project's venv;
 # GPU_PYTHON=python3 runs it with that interpreter as it is (its own torch, Lightning and
