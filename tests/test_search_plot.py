@@ -253,16 +253,18 @@ def test_a_trial_without_a_lease_is_drawn_on_the_leader_its_worker_id_names(
 def test_a_pool_draws_one_row_per_device_and_an_attempt_on_each_of_its_devices(
     tmp_path: Path,
 ) -> None:
+    """Trial 2's last attempt waited 0.5 s for its device: its bar starts at its
+    placement, not at NePS's start (its agent held it evaluating meanwhile)."""
     root = new_root(tmp_path)
     agent = owner("h1", 50)
     add_trial(
         root, "1", "success", T0, T0 + 10, 0.2,
-        Lease("1", agent, T0, T0 + 9, ranks=None), placed("1", (0, 1), T0 + 0.1),
+        Lease("1", agent, T0, T0 + 9, ranks=None), placed("1", (0, 1), T0),
     )  # fmt: skip
     lost = Attempt(agent, T0 + 10, T0 + 11, "rank 1 was lost", 1, (1,), "L1")
     add_trial(
         root, "2", "success", T0 + 12, T0 + 15, 0.1,
-        Lease("2", agent, T0 + 12, T0 + 14, (lost,)), placed("2", (0,), T0 + 12.1),
+        Lease("2", agent, T0 + 12, T0 + 14, (lost,)), placed("2", (0,), T0 + 12.5),
     )  # fmt: skip
     pic = search_plot.picture(read(root))
     assert [r.label for r in pic.rows] == ["h1 device 0", "h1 device 1"]
@@ -271,11 +273,11 @@ def test_a_pool_draws_one_row_per_device_and_an_attempt_on_each_of_its_devices(
         ("1", 1, 0, 0.0, 10.0, "success"),
         ("1", 1, 1, 0.0, 10.0, "success"),
         ("2", 1, 1, 10.0, 11.0, "put back"),
-        ("2", 2, 0, 12.0, 15.0, "success"),
+        ("2", 2, 0, 12.5, 15.0, "success"),
     ]
-    # Both devices are available 0-15 s; busy 10 + 10 + 1 + 3 device-seconds.
-    assert (pic.busy_s, pic.available_s) == (pytest.approx(24.0), pytest.approx(30.0))
-    assert pic.idle_s == pytest.approx(6.0)
+    # Both devices are available 0-15 s; busy 10 + 10 + 1 + 2.5 device-seconds.
+    assert (pic.busy_s, pic.available_s) == (pytest.approx(23.5), pytest.approx(30.0))
+    assert pic.idle_s == pytest.approx(6.5)
 
 
 def test_the_hand_back_records_where_the_attempt_ran(tmp_path: Path) -> None:

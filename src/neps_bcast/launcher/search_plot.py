@@ -357,7 +357,7 @@ def draw(pic: Picture) -> Figure:
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[bars_in, 2.0], squeeze=True)
     fig.suptitle(pic.title(), fontsize=10, ha="left", x=0.01, y=1 - 0.15 / height, va="top")
 
-    span = max(pic.now, max((b.end for b in pic.bars), default=0.0), 1.0)
+    span = max(max((b.end for b in pic.bars), default=0.0), 1.0)  # a running bar: now
     for outcome, colour in COLOURS.items():
         mine = [b for b in pic.bars if b.outcome == outcome]
         if not mine:

@@ -283,7 +283,9 @@ def attempt_spans(
     the one NePS holds now (running, or ended as NePS recorded it).
 
     The last attempt's start and end are NePS's (``time_started`` is set afresh at each
-    attempt, ``time_end`` when it ended); where it ran is its lease's (written by the
+    attempt, ``time_end`` when it ended), but in a pool it starts when the launcher
+    placed it on its devices (its agent holds it evaluating while it waits for them, and
+    the picture shows the devices' time); where it ran is its lease's (written by the
     leader that took it: a lease whose owner is None was handed back and is an earlier
     attempt's), else NePS's record of the worker, whose id names our leader's process.
     A trial crashed by the retry limit ends with its last interrupted attempt."""
@@ -317,7 +319,7 @@ def attempt_spans(
     spans.append(
         AttemptSpan(
             number=len(spans) + 1,
-            start=files.time_started,
+            start=max(files.time_started, placement.placed) if placement else files.time_started,
             end=None if running else (files.time_end or files.time_started),
             outcome="running" if running else files.state,
             host=placement.host if placement is not None else owner.host if owner else None,
