@@ -30,6 +30,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -324,13 +325,24 @@ def _matplotlib() -> Any:
     return matplotlib
 
 
-def _clock(seconds: float, _pos: object = None) -> str:
-    """A tick: seconds since the start as m:ss, or h:mm past two hours."""
-    sign = "-" if seconds < 0 else ""
-    seconds = abs(seconds)
-    if seconds >= 7200:
-        return f"{sign}{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}"
-    return f"{sign}{int(seconds // 60)}:{int(seconds % 60):02d}"
+def _clock(span: float) -> tuple[Callable[[float, object], str], str]:
+    """The time axis's ticks for a search ``span`` seconds long, and their unit: seconds
+    under two minutes, m:ss under two hours, h:mm past that."""
+
+    def seconds(t: float, _pos: object = None) -> str:
+        return f"{t:g}"
+
+    def minutes(t: float, _pos: object = None) -> str:
+        return f"{int(t // 60)}:{int(t % 60):02d}"
+
+    def hours(t: float, _pos: object = None) -> str:
+        return f"{int(t // 3600)}:{int(t % 3600 // 60):02d}"
+
+    if span < 120:
+        return seconds, "s"
+    if span < 7200:
+        return minutes, "m:ss"
+    return hours, "h:mm"
 
 
 def draw(pic: Picture) -> Figure:
@@ -405,7 +417,7 @@ def draw(pic: Picture) -> Figure:
     top.set_ylim(len(pic.rows) - 0.5 if pic.rows else 0.5, -0.5)
     top.set_xlim(0, span * 1.02)
     top.grid(axis="x", alpha=0.3)
-    shown = Counter(b.outcome for b in pic.bars)
+    shown = Counter(o for o, _, _ in {(b.outcome, b.trial_id, b.attempt) for b in pic.bars})
     handles = [Patch(color=COLOURS[o], label=f"{o} ({shown[o]})") for o in COLOURS if shown[o]]
     if cut:
         handles.append(_marker_handle(f"interrupted ({len(cut)}): cause beside it"))
@@ -436,9 +448,10 @@ def draw(pic: Picture) -> Figure:
         bottom.text(0.5, 0.5, reason, ha="center", va="center", transform=bottom.transAxes)
     bottom.set_ylabel("best objective so far", fontsize=9)
     bottom.grid(alpha=0.3)
-    bottom.xaxis.set_major_formatter(FuncFormatter(_clock))
+    ticks, unit = _clock(span)
+    bottom.xaxis.set_major_formatter(FuncFormatter(ticks))
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pic.t0))
-    bottom.set_xlabel(f"wall time since {when} (m:ss; past 2 h, h:mm)", fontsize=9)
+    bottom.set_xlabel(f"wall time since {when} ({unit})", fontsize=9)
     return fig
 
 
