@@ -81,6 +81,14 @@ VARIABLES = (
         "text",
     ),
     Variable(
+        "NEPS_BCAST_PEER_TIMEOUT_S",
+        "peer_timeout_s",
+        "30",
+        "how long a rank of a trial's group may stay silent (frozen, hung, its node lost or"
+        " cut off: no beat, no answer) before its peers treat it as lost; sized for the"
+        " longest stall of a healthy rank (docs/failures.md)",
+    ),
+    Variable(
         "NEPS_BCAST_HEARTBEAT_S",
         "heartbeat_s",
         "30",
@@ -112,6 +120,7 @@ class Settings:
     root_lock_timeout_s: float = 600.0
     backend: str | None = None
     leader_addr: str | None = None
+    peer_timeout_s: float = 30.0
     heartbeat_s: float = 30.0
     lease_grace_s: float = 300.0
     max_retries: int = 3

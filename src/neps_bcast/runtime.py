@@ -10,14 +10,19 @@ and the first trial of a Lightning leader's children in ``lightning_children``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 from neps_bcast import faults, lightning_children
+from neps_bcast.compat import procfs
+from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.torch import Store
 from neps_bcast.config import Settings
 from neps_bcast.ddp.group import UserGroup
@@ -32,7 +37,7 @@ from neps_bcast.log import logger, role_tag, tagged
 from neps_bcast.recovery.signals import indivisible
 from neps_bcast.startup import external
 from neps_bcast.startup.launch import Launch
-from neps_bcast.transport import peers
+from neps_bcast.transport import liveness, peers, sockets
 from neps_bcast.transport.auth import Signer, new_secret
 from neps_bcast.transport.channel import Channel, ChannelClosedError
 from neps_bcast.transport.link import Link
@@ -74,6 +79,8 @@ class Runtime:
         every trial's group formed on it by the user's code finds it there."""
         self.link = Link(self.group_rank, self.settings, self.signer)
         self.link.peers.relatives = functools.partial(_relatives, launch, self.group_rank)
+        self.link.on_silent = functools.partial(_on_silent, self)
+        liveness.forget()
         self.children = lightning_children.Children()
         self.seq = 0
         self.steps = Steps(self.group_rank, self.signer, lambda: self.group.generation)
@@ -173,6 +180,11 @@ class Runtime:
     def send(self, message: TrialMessage | StopMessage) -> None:
         """Leader: hand a message to every follower (first contact or a step)."""
         if self.ensure_channel():
+            liveness.doing(
+                f"handing trial {message.trial_id} over"
+                if isinstance(message, TrialMessage)
+                else "stopping its followers"
+            )
             self._on_channel(lambda c: self.steps.hand_over(c, message, self.tag))
         elif isinstance(message, TrialMessage):
             self.children.first = (message.seq, encode(message, tag=self.tag))
@@ -190,6 +202,7 @@ class Runtime:
                     "this is a bug in neps_bcast; please report it.",
                 )
             )
+        liveness.doing("waiting for the next trial")
         return self._on_channel(lambda c: self.steps.next_message(c, self.tag))
 
     def first_contact(self) -> TrialMessage:
@@ -213,7 +226,10 @@ class Runtime:
             return None  # interrupted before the hand-over: the followers wait for the next
         if not self.ensure_channel():
             return None
-        return self._on_channel(lambda c: self.steps.meet(c, report, self.tag))
+        liveness.doing(f"in a meeting of the ranks of trial #{report.seq}")
+        reports = self._on_channel(lambda c: self.steps.meet(c, report, self.tag))
+        liveness.doing(f"evaluating trial #{report.seq}")
+        return reports
 
     def check_stopped(self) -> None:
         """Follower: raise ``SearchStopped`` once a step brought the leader's STOP."""
@@ -227,6 +243,7 @@ class Runtime:
     def shutdown(self, reason: str) -> None:
         """Leader: tell every follower to stop, wait for their goodbye, close the channel."""
         faults.point("stop")
+        self.link.stop_liveness()  # followers leave from now on: that is not silence
         try:
             self.link.release_followers(self.world_size or 1)
             if self.link.channel is not None or (self.world_size or 0) > 1:
@@ -254,6 +271,67 @@ def _relatives(launch: Launch, group_rank: int) -> list[peers.Peer]:
     if launch.kind == "external":
         return peers.launch_relatives(launch.identity, launch.rank_variable, group_rank)
     return peers.lightning_relatives(launch.kind)
+
+
+def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
+    """A peer has gone silent for the bound (``transport.liveness``, on its thread): it
+    gets the outcome of a lost process.
+
+    Leader: a silent follower on this host is SIGKILLed (frozen: ours to end); one on
+    another host has every connection of this process to its address shut (gloo's and
+    the control channel's), and an NCCL group is aborted. Either way the waits of this
+    rank fail as if the peer had died, and the trial ends as for a lost follower: back
+    to ``pending``, ``FollowerLostError`` naming the silence. Follower: a silent leader
+    on this host is SIGKILLed, and this process exits with code 1 (``LeaderLostError``)
+    at once, whatever it was blocked in.
+    """
+    if rt.link.stopping:
+        return
+    here = silence.host == socket.gethostname() and silence.pid is not None
+    if here and silence.pid is not None and not procfs.is_alive(silence.pid):
+        return  # it died: its closed connections tell the main thread how
+    if rt.group_rank == 0:
+        action = "killed by the leader (SIGKILL)" if here else "its connections shut"
+        liveness.mark(silence, action)
+        logger.log(
+            logging.ERROR,
+            "%s: frozen, hung, or its node lost or cut off. It is treated as lost (%s);"
+            " the trial goes back to pending. HINT: see that rank's host; if it only"
+            " stalls (a long checkpoint write, swapping), raise NEPS_BCAST_PEER_TIMEOUT_S"
+            " (now %g s).",
+            silence.describe(),
+            action,
+            rt.settings.peer_timeout_s,
+        )
+        if here:
+            liveness.kill_if_here(silence.host, silence.pid)
+            return
+        if rt.group.backend == "nccl":
+            with contextlib.suppress(Exception):
+                torch_compat.abort_nccl()
+        peer = rt.link.peers.known(silence.group_rank)
+        addresses = {ip for ip, _ in peer.listen} if peer is not None else set()
+        if silence.address is not None:
+            addresses.add(silence.address)
+        addresses.discard("0.0.0.0")  # noqa: S104 - a wildcard is no peer's address
+        shut = sockets.shutdown(sockets.connections_to(addresses))
+        logger.log(logging.INFO, "shut %d connection(s) to %s", shut, sorted(addresses))
+        return
+    killed = here and liveness.kill_if_here(silence.host, silence.pid)
+    liveness.mark(silence, "killed by this follower (SIGKILL)" if killed else "left")
+    logger.log(
+        logging.ERROR,
+        "lost the leader: %s: frozen, hung, or its node lost or cut off%s. Exiting with"
+        " code 1 (LeaderLostError). HINT: see the leader's host; the trial goes back to"
+        " pending when a leader next looks for orphans (the same command again). If the"
+        " leader only stalls, raise NEPS_BCAST_PEER_TIMEOUT_S (now %g s).",
+        silence.describe(),
+        " (killed by this follower: it was on this host)" if killed else "",
+        rt.settings.peer_timeout_s,
+    )
+    for handler in logging.getLogger().handlers + logger.logger.handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostError:

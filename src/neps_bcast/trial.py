@@ -40,6 +40,7 @@ from neps_bcast.errors import (
 )
 from neps_bcast.recovery.signals import indivisible, preemption
 from neps_bcast.runtime import Runtime
+from neps_bcast.transport import liveness
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
 
 
@@ -235,6 +236,7 @@ def evaluate_once(
     leader's time belongs to NePS (recording, sampling).
     """
     log_freed(rt, trial_starts())
+    liveness.doing(f"evaluating trial {message.trial_id} (#{message.seq})")
     run = TrialRun(rt, message)
     with run.running():
         result: Any = None

@@ -42,7 +42,9 @@ several are separated by commas.
   parent).
 - KIND: ``raise`` (ValueError "injected failure on rank R at POINT"), ``sigkill``,
   ``sigterm``, ``sigterm2`` (SIGTERM, and a second one ``s`` seconds later, from a thread),
-  ``sigint``, ``ctrl_c`` (SIGINT to the whole process group, as a terminal
+  ``sigint``, ``sigstop`` (the process frozen: what a hung node looks like to its peers;
+  nothing sends SIGCONT), ``gil`` (the main thread holds the GIL for ``s`` seconds in
+  one C call), ``ctrl_c`` (SIGINT to the whole process group, as a terminal
   sends it), ``sigkill_in`` (a thread SIGKILLs the process ``s`` seconds later),
   ``kill_parent`` (SIGKILL to the parent: a Lightning child kills its leader), ``sleep``
   (``s`` seconds), ``hang`` (waits for ever: what only the launcher's
@@ -58,6 +60,7 @@ signals) before it acts; a fault fires at most once per trial in a process.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -171,7 +174,12 @@ def _first_in_the_launch(i: int) -> bool:
     return True
 
 
-SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
+SIGNALS = {
+    "sigterm": signal.SIGTERM,
+    "sigint": signal.SIGINT,
+    "sigkill": signal.SIGKILL,
+    "sigstop": signal.SIGSTOP,
+}
 
 
 def at(point: str, upcoming: bool = False) -> None:
@@ -211,6 +219,11 @@ def at(point: str, upcoming: bool = False) -> None:
             threading.Timer(f.seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
         if f.kind == "kill_parent":
             os.kill(os.getppid(), signal.SIGKILL)
+        if f.kind == "gil":
+            # A long C call that never lets go of the GIL (as pickling a huge checkpoint
+            # does): libc's sleep called through PyDLL, which keeps the GIL held.
+            ctypes.PyDLL(None).usleep(int(f.seconds * 1_000_000))
+            record("held_gil", where=point, seq=SEQ["n"], rank=my_rank(), s=f.seconds)
         if f.kind == "sleep":
             time.sleep(f.seconds)  # the fault itself: a slow step, observed from outside
             record("slept", where=point, seq=SEQ["n"], rank=my_rank())

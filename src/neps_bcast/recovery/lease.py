@@ -63,6 +63,7 @@ from neps_bcast.recovery.lease_file import (
     read_lease,
     write_lease,
 )
+from neps_bcast.transport import liveness
 
 
 class Leases:
@@ -86,6 +87,7 @@ class Leases:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._silent_said = False
         self._looked_at: float | None = None
         """When this leader last looked for orphans (``time.monotonic``)."""
 
@@ -182,6 +184,17 @@ class Leases:
         with self._lock:
             held = self._held
             if held is None:
+                return
+            if liveness.any_silent():
+                # The lease tells the truth: a leader whose group has a silent rank is
+                # stuck behind it, and its trial must be free to be taken over.
+                if not self._silent_said:
+                    self._silent_said = True
+                    self.log(
+                        logging.ERROR,
+                        "not renewing the lease of trial %s: a rank of its group is silent",
+                        held[1].trial_id,
+                    )
                 return
             trial_dir, lease = held
             try:

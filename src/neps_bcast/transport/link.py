@@ -23,7 +23,7 @@ from neps_bcast.compat.torch import TCPStore
 from neps_bcast.config import Settings
 from neps_bcast.errors import LeaderLostError, ProtocolError, format_message
 from neps_bcast.log import logger, rank_tag
-from neps_bcast.transport import peers, private, sockets, store, watchdog
+from neps_bcast.transport import liveness, peers, private, sockets, store, watchdog
 from neps_bcast.transport.auth import Context, Signer
 from neps_bcast.transport.channel import Channel, ChannelClosedError, GlooChannel, JoinTimeoutError
 
@@ -45,6 +45,11 @@ class Link:
         """Follower: the leader said STOP, so losing it from now on is normal."""
         self.trial_dir: Path | None = None
         """Leader: the private directory of the trial left for Lightning's children."""
+        self.address: str | None = None
+        """Follower: the leader's store (``host:port``)."""
+        self.on_silent: Callable[[liveness.Silence], None] | None = None
+        """What a silent peer costs (set by the runtime): without it, nothing is watched."""
+        self.liveness: liveness.Monitor | liveness.LeaderBeat | None = None
 
     @property
     def wait_timeout(self) -> datetime.timedelta:
@@ -80,6 +85,7 @@ class Link:
                 self.store = store.connect(
                     address, self.wait_timeout, self.settings.connect_timeout_s
                 )
+                self.address = address
                 self.watch = watchdog.LeaderWatch(
                     address,
                     self.group_rank,
@@ -126,7 +132,49 @@ class Link:
         except ChannelClosedError as exc:
             raise lost(exc) from exc
         logger.log(logging.INFO, "control channel up (%d ranks)", world_size)
+        with self.own_connections():
+            self._watch_liveness(world_size)
+        # Kernel-level detection on the channel's own connections too: a peer whose node
+        # is lost fails them by itself (a frozen one needs the heartbeat).
+        sockets.set_liveness_options(
+            self.own, self.settings.peer_timeout_s, self.settings.peer_timeout_s / 10
+        )
         return self.channel
+
+    def _watch_liveness(self, world_size: int) -> None:
+        """Start the heartbeat (``liveness``) once every rank is on the channel."""
+        if self.on_silent is None or self.liveness is not None or self.store is None:
+            return
+        bound = self.settings.peer_timeout_s
+        if self.group_rank == 0:
+            self.liveness = liveness.Monitor(
+                f"127.0.0.1:{self.store.port}",
+                world_size,
+                self.signer,
+                bound,
+                self.on_silent,
+                self._host_and_pid,
+            )
+        elif self.address is not None:
+            self.liveness = liveness.LeaderBeat(
+                self.address,
+                self.group_rank,
+                self.signer,
+                bound,
+                self.on_silent,
+                lambda: self._host_and_pid(0),
+            )
+
+    def _host_and_pid(self, group_rank: int) -> tuple[str, int | None]:
+        peer = self.peers.known(group_rank)
+        if peer is None:
+            return "unknown", None
+        return peer.host, peer.pid
+
+    def stop_liveness(self) -> None:
+        """The search ends (STOP): peers leaving from now on are not silent."""
+        if self.liveness is not None:
+            self.liveness.stop()
 
     def leave_trial_for_children(self, seq: int, payload: bytes) -> tuple[str, str]:
         """Leader before its group exists: the trial, where Lightning's children find it.
@@ -173,11 +221,13 @@ class Link:
     def release_watch(self) -> None:
         """Follower leaving (normally or not): end the leader watch first."""
         self.stopping = True
+        self.stop_liveness()
         if self.store is not None and self.watch is not None:
             self.watch.release(self.store)
         self.watch = None
 
     def close(self) -> None:
+        self.stop_liveness()
         self.forget_trial()
         if self.channel is not None:
             self.channel.close()

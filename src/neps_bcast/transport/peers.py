@@ -29,7 +29,7 @@ from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import Store
 from neps_bcast.errors import AuthError, first_line
 from neps_bcast.log import logger
-from neps_bcast.transport import sockets
+from neps_bcast.transport import liveness, sockets
 from neps_bcast.transport.auth import Signer
 from neps_bcast.transport.store import Keys, put_json, take_json
 
@@ -94,6 +94,10 @@ class Peers:
         self._known: dict[int, Peer] = {}
         self._refused: set[int] = set()
 
+    def known(self, group_rank: int) -> Peer | None:
+        """A rank's record as read so far (no store operation)."""
+        return self._known.get(group_rank)
+
     def publish(self, store: Store) -> None:
         me = this_process(self.group_rank)
         self._known[self.group_rank] = me
@@ -149,6 +153,13 @@ class Peers:
         """Which peers are gone, and how (exit code or signal), where this host can tell."""
         lost = []
         for peer in self.group(store, world_size):
+            silent = liveness.silenced(peer.group_rank) if peer.group_rank >= 0 else None
+            if silent is not None:
+                silence, action = silent
+                lost.append(
+                    f"{silence.describe()}: frozen, hung, or its node lost or cut off ({action})"
+                )
+                continue
             if not peer.is_here:
                 continue
             how = _how_it_ended(peer.pid)

@@ -127,3 +127,47 @@ def shutdown(inodes: set[int]) -> int:
             finally:
                 sock.close()
     return count
+
+
+def set_liveness_options(inodes: set[int], bound_s: float, probe_s: float) -> int:
+    """Kernel-level detection on the given TCP connections of this process: data left
+    unacknowledged for ``bound_s`` fails the connection (``TCP_USER_TIMEOUT``), and an
+    idle one is probed every ``probe_s`` (keepalive), so a peer whose node is lost or cut
+    off is found even by a thread blocked in C++. Returns how many were set."""
+    count = 0
+    for inode, fd in socket_inodes().items():
+        if inode not in inodes:
+            continue
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.family not in (
+                    socket.AF_INET,
+                    socket.AF_INET6,
+                ):
+                    continue
+                idle = max(1, int(probe_s))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(bound_s * 1000))
+                count += 1
+            finally:
+                sock.close()
+    return count
+
+
+def connections_to(addresses: set[str]) -> set[int]:
+    """Inodes of this process's established TCP connections whose other end is at one of
+    ``addresses`` (never loopback): every connection to a lost node, whatever made it."""
+    table = tcp_table()
+    found = set()
+    for inode in socket_inodes():
+        entry = table.get(inode)
+        if entry is None or entry.state != ESTABLISHED:
+            continue
+        ip = entry.remote[0]
+        if ip in addresses and not ipaddress.ip_address(ip).is_loopback:
+            found.add(inode)
+    return found

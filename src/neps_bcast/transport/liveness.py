@@ -1,0 +1,339 @@
+"""Liveness of a group's ranks that depends neither on sockets closing nor on the
+user's collectives: a heartbeat through the leader's store, judged by each reader's
+own monotonic clock.
+
+Why: a killed process's kernel closes its sockets, and its peers read "connection
+closed" at once. A lost node (power, panic, a cut cable), a frozen VM or a rank stuck
+on a hung mount sends nothing more: its peers wait for the kernel's retransmission
+limit (~15 min, and only if they send), gloo's 30-minute default or our last-resort
+bound (7 days), and the blocked leader's lease stays fresh so that nobody takes the
+trial over. Measured here (torch 2.13): an operation of a ``TCPStore`` client on a
+SIGSTOPped server blocks past the client's own timeout, so no store or gloo timeout
+bounds such a wait either.
+
+How: once the control channel is up, every follower's beat thread writes a counter
+under its own key of the leader's store every ``beat_s`` (a tenth of
+``NEPS_BCAST_PEER_TIMEOUT_S``) and reads the leader's; the leader's monitor thread
+reads every follower's and writes its own. Each record is tagged with the search's
+secret and carries a counter that must grow (a replayed record is no beat), what the
+rank is doing, and the address it reaches the leader from.
+- The leader finds a follower silent when its counter has not grown for the bound,
+  counted only while the monitor itself was running (a leader that was frozen itself,
+  or starved of CPU, does not blame its followers for its own gap).
+- A follower finds its leader silent when one of its beats has waited for the bound:
+  the leader's store runs in the leader's process, so a frozen leader, or one whose
+  node is lost or cut off, never answers.
+Kernel-level detection does not see a frozen process (its kernel still ACKs and
+answers keepalives), so it is the heartbeat that covers frozen and hung ranks; the
+beat connections also carry ``TCP_USER_TIMEOUT`` (the bound) and keepalives, so that
+a beat stuck behind a lost node fails by itself instead of blocking its thread.
+
+What a silent peer costs is decided above this module (``on_silent``): it gets the
+outcome of a lost process. A busy rank is never silent: the store is served by a C++
+thread that needs no GIL, and a main thread that holds the GIL for half the bound
+delays a beat by at most that much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from neps_bcast.compat.torch import Store
+from neps_bcast.errors import AuthError
+from neps_bcast.log import logger
+from neps_bcast.transport import sockets, store
+from neps_bcast.transport.auth import Signer
+
+BEATS_PER_BOUND = 10
+"""Beats in one ``NEPS_BCAST_PEER_TIMEOUT_S``: a silent peer is one that missed ~10."""
+
+_doing = "starting"
+_changed = threading.Event()
+"""Set when this rank starts another step: its next beat goes out at once, so a peer
+that goes silent right after it is named at the step it was in."""
+
+
+def doing(what: str) -> None:
+    """What this rank is doing now, sent with its beats (named when it goes silent)."""
+    global _doing  # noqa: PLW0603 - one rank per process, read by the beat thread
+    _doing = what
+    _changed.set()
+
+
+def now_doing() -> str:
+    return _doing
+
+
+def beat_key(group_rank: int) -> str:
+    return f"{store.PREFIX}/beat/{group_rank}"
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A peer that has gone silent: who, where, what it was doing, for how long."""
+
+    group_rank: int
+    host: str
+    pid: int | None
+    address: str | None
+    silent_s: float
+    doing: str
+
+    def describe(self) -> str:
+        pid = f"pid {self.pid}" if self.pid is not None else "pid unknown"
+        return (
+            f"rank {self.group_rank} ({pid} on host {self.host}) silent for"
+            f" {self.silent_s:.0f} s while {self.doing}"
+        )
+
+
+_silenced: dict[int, tuple[Silence, str]] = {}
+"""The peers this process declared silent, and what it did about it."""
+
+
+def silenced(group_rank: int) -> tuple[Silence, str] | None:
+    """Whether (and how) this process declared ``group_rank`` silent."""
+    return _silenced.get(group_rank)
+
+
+def any_silent() -> bool:
+    return bool(_silenced)
+
+
+def mark(silence: Silence, action: str) -> None:
+    _silenced[silence.group_rank] = (silence, action)
+
+
+def forget() -> None:
+    """A new ``run`` call (tests run several in one process)."""
+    _silenced.clear()
+
+
+@dataclass
+class _Beat:
+    n: int = 0
+    doing: str = "unknown"
+    address: str | None = None
+    silent_s: float = 0.0
+
+
+def _record(n: int, address: str | None) -> dict[str, object]:
+    return {"n": n, "doing": _doing, "addr": address}
+
+
+def _read(client: Store, signer: Signer, group_rank: int) -> dict[str, object] | None:
+    """A rank's beat record, authenticated; None when it has not beaten yet."""
+    key = beat_key(group_rank)
+    if not client.check([key]):
+        return None
+    raw = json.loads(store.take(client, signer, key, sender=group_rank).decode())
+    return raw if isinstance(raw, dict) else None
+
+
+def _accrue(last_wake: float, beat_s: float) -> tuple[float, float]:
+    """The time since this thread's last wake-up that counts towards a peer's silence
+    (at most two beats: a gap longer than that was this process's own), and now."""
+    now = time.monotonic()
+    return min(now - last_wake, 2 * beat_s), now
+
+
+def _guard_connections(before: set[int], bound_s: float, beat_s: float) -> None:
+    """TCP_USER_TIMEOUT and keepalives on the connections made since ``before``."""
+    new = set(sockets.socket_inodes()) - before
+    sockets.set_liveness_options(new, bound_s, beat_s)
+
+
+class Monitor:
+    """The leader's monitor of its followers (a thread), started once the channel is up."""
+
+    def __init__(
+        self,
+        address: str,
+        world_size: int,
+        signer: Signer,
+        bound_s: float,
+        on_silent: Callable[[Silence], None],
+        peer_of: Callable[[int], tuple[str, int | None]],
+    ) -> None:
+        self.world_size = world_size
+        self.signer = signer
+        self.bound_s = bound_s
+        self.beat_s = bound_s / BEATS_PER_BOUND
+        self._on_silent = on_silent
+        self._peer_of = peer_of
+        self._stopped = threading.Event()
+        self._beats = {r: _Beat() for r in range(1, world_size)}
+        before = set(sockets.socket_inodes())
+        host, _, port = address.rpartition(":")
+        self._client = store.connect(f"{host}:{port}", datetime.timedelta(seconds=bound_s), bound_s)
+        _guard_connections(before, bound_s, self.beat_s)
+        self.thread = threading.Thread(target=self._run, name="neps_bcast-monitor", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        _changed.set()
+
+    def beats_seen(self, group_rank: int) -> int:
+        """The highest beat of ``group_rank`` this monitor has accepted."""
+        return self._beats[group_rank].n
+
+    def _run(self) -> None:
+        n = 0
+        last_wake = time.monotonic()
+        while True:
+            _changed.wait(self.beat_s)
+            _changed.clear()
+            if self._stopped.is_set():
+                return
+            n += 1
+            try:
+                store.put(
+                    self._client,
+                    self.signer,
+                    beat_key(0),
+                    json.dumps(_record(n, None)).encode(),
+                    sender=0,
+                )
+                gap, last_wake = _accrue(last_wake, self.beat_s)
+                for r, beat in self._beats.items():
+                    self._look(r, beat, gap)
+            except Exception as exc:  # noqa: BLE001 - our own store is gone: the run ends
+                logger.log(logging.DEBUG, "liveness monitor ends: %s", exc)
+                return
+
+    def _look(self, group_rank: int, beat: _Beat, gap: float) -> None:
+        try:
+            record = _read(self._client, self.signer, group_rank)
+        except (AuthError, ValueError) as exc:
+            logger.log(logging.ERROR, "refused a beat of rank %d: %s", group_rank, exc)
+            record = None
+        if record is None:
+            if beat.n == 0:
+                return  # not beating yet: the join bound covers a rank still starting
+        elif isinstance(record.get("n"), int) and int(str(record["n"])) > beat.n:
+            beat.n = int(str(record["n"]))
+            beat.doing = str(record.get("doing", "unknown"))
+            address = record.get("addr")
+            beat.address = address if isinstance(address, str) else None
+            beat.silent_s = 0.0
+            return
+        beat.silent_s += gap
+        if beat.silent_s > self.bound_s and not self._stopped.is_set():
+            host, pid = self._peer_of(group_rank)
+            silence = Silence(group_rank, host, pid, beat.address, beat.silent_s, beat.doing)
+            self._stopped.set()
+            self._on_silent(silence)
+
+
+class LeaderBeat:
+    """A follower's beat (a thread) and its judge of the leader (a second thread)."""
+
+    def __init__(
+        self,
+        address: str,
+        group_rank: int,
+        signer: Signer,
+        bound_s: float,
+        on_silent: Callable[[Silence], None],
+        leader: Callable[[], tuple[str, int | None]],
+    ) -> None:
+        self.group_rank = group_rank
+        self.signer = signer
+        self.bound_s = bound_s
+        self.beat_s = bound_s / BEATS_PER_BOUND
+        self._on_silent = on_silent
+        self._leader = leader
+        self._stopped = threading.Event()
+        self._pending_since: float | None = None
+        self._leader_doing = "unknown"
+        self._address = _route_to(address.rpartition(":")[0])
+        before = set(sockets.socket_inodes())
+        self._client = store.connect(address, datetime.timedelta(seconds=bound_s), bound_s)
+        _guard_connections(before, bound_s, self.beat_s)
+        self._beat_thread = threading.Thread(target=self._beat, name="neps_bcast-beat", daemon=True)
+        self._judge_thread = threading.Thread(
+            target=self._judge, name="neps_bcast-beat-judge", daemon=True
+        )
+        self._beat_thread.start()
+        self._judge_thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        _changed.set()
+
+    def _beat(self) -> None:
+        n = 0
+        while not self._stopped.is_set():
+            n += 1
+            self._pending_since = time.monotonic()
+            try:
+                store.put(
+                    self._client,
+                    self.signer,
+                    beat_key(self.group_rank),
+                    json.dumps(_record(n, self._address)).encode(),
+                    sender=self.group_rank,
+                )
+                record = _read(self._client, self.signer, 0)
+            except (AuthError, ValueError) as exc:
+                logger.log(logging.ERROR, "refused the leader's beat: %s", exc)
+                record = None
+            except Exception as exc:  # noqa: BLE001 - the leader is gone: its watch says so
+                logger.log(logging.DEBUG, "beat ends: %s", exc)
+                self._pending_since = None
+                return
+            self._pending_since = None
+            if record is not None:
+                self._leader_doing = str(record.get("doing", "unknown"))
+            _changed.wait(self.beat_s)
+            _changed.clear()
+
+    def _judge(self) -> None:
+        silent_s = 0.0
+        waiting_beat: float | None = None
+        last_wake = time.monotonic()
+        while not self._stopped.wait(self.beat_s):
+            pending_since = self._pending_since
+            if pending_since != waiting_beat:
+                silent_s, waiting_beat = 0.0, pending_since  # another beat (or none) waits
+            # Only the time this beat has waited counts, and only while this process ran.
+            gap, last_wake = _accrue(max(last_wake, pending_since or last_wake), self.beat_s)
+            if pending_since is None:
+                continue
+            silent_s += gap
+            if silent_s > self.bound_s and not self._stopped.is_set():
+                host, pid = self._leader()
+                self._stopped.set()
+                self._on_silent(Silence(0, host, pid, None, silent_s, self._leader_doing))
+                return
+
+
+def _route_to(host: str) -> str | None:
+    """The address of this host that routes to ``host`` (no packet is sent)."""
+    with contextlib.suppress(OSError):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    return None
+
+
+def kill_if_here(host: str, pid: int | None) -> bool:
+    """SIGKILL a silent peer that runs on this host (a frozen process is ours to end)."""
+    if pid is None or host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 9)
+    except OSError:
+        return False
+    return True

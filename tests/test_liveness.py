@@ -1,0 +1,283 @@
+"""Liveness without sockets closing: the heartbeat through the leader's store
+(``neps_bcast.transport.liveness``), on a real TCPStore, with real frozen processes.
+
+A frozen process (SIGSTOP) is what a hung node looks like to its peers: its sockets stay
+open and its kernel still answers, but nothing more comes. Bounds: the peer bound here
+(``BOUND``, 1 s) < each wait for a verdict (``WAIT``) < pytest's timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from neps_bcast.compat import procfs
+from neps_bcast.compat.torch import TCPStore
+from neps_bcast.config import Settings
+from neps_bcast.recovery.lease import Leases
+from neps_bcast.recovery.lease_file import read_lease
+from neps_bcast.transport import liveness, sockets, store
+from neps_bcast.transport.auth import Signer, new_secret
+
+BOUND = 1.0
+WAIT = 30.0
+PYTHON = sys.executable
+
+SERVE = """
+import datetime, sys, time
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                  timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+class Verdicts:
+    """The silences a monitor or beat reported (on its own thread)."""
+
+    def __init__(self) -> None:
+        self.seen: list[liveness.Silence] = []
+        self.event = threading.Event()
+
+    def __call__(self, silence: liveness.Silence) -> None:
+        self.seen.append(silence)
+        self.event.set()
+
+
+def wait_until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT
+    while not check():
+        assert time.monotonic() < deadline, f"never saw {what} within {WAIT} s"
+        time.sleep(0.02)  # bounded poll of a counter another thread advances
+
+
+@pytest.fixture
+def leader_store() -> TCPStore:
+    return store.serve(datetime.timedelta(seconds=30), loopback=True)
+
+
+@pytest.fixture
+def frozen_leader() -> Iterator[subprocess.Popen[str]]:
+    """A process serving a store, as a leader does; the test freezes it."""
+    proc = subprocess.Popen(
+        [PYTHON, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
+
+
+def test_a_follower_finds_its_frozen_leader_silent_within_the_bound(
+    frozen_leader: subprocess.Popen[str],
+) -> None:
+    assert frozen_leader.stdout is not None
+    port = int(frozen_leader.stdout.readline())
+    signer = Signer(new_secret())
+    verdicts = Verdicts()
+    beat = liveness.LeaderBeat(
+        f"127.0.0.1:{port}", 1, signer, BOUND, verdicts, lambda: ("here", frozen_leader.pid)
+    )
+    try:
+        client = store.connect(f"127.0.0.1:{port}", datetime.timedelta(seconds=WAIT), WAIT)
+        # Positive control: while the leader runs, the beats get through and none is late.
+        wait_until(lambda: _count(client, signer, 1) >= 5, "five beats answered")
+        assert verdicts.seen == []
+        frozen_leader.send_signal(signal.SIGSTOP)
+        frozen = time.monotonic()
+        assert verdicts.event.wait(WAIT)
+        took = time.monotonic() - frozen
+    finally:
+        beat.stop()
+    (silence,) = verdicts.seen
+    assert (silence.group_rank, silence.pid) == (0, frozen_leader.pid)
+    assert silence.silent_s > BOUND
+    assert took > BOUND
+
+
+def test_the_leader_finds_a_follower_whose_beats_stopped_silent_and_names_its_step(
+    leader_store: TCPStore,
+) -> None:
+    signer = Signer(new_secret())
+    verdicts = Verdicts()
+    address = f"127.0.0.1:{leader_store.port}"
+    monitor = liveness.Monitor(address, 2, signer, BOUND, verdicts, lambda r: ("h1", 4242))
+    liveness.doing("evaluating trial 7 (#2)")
+    beat = liveness.LeaderBeat(address, 1, signer, BOUND, Verdicts(), lambda: ("h0", 1))
+    try:
+        wait_until(lambda: monitor.beats_seen(1) >= 5, "five beats of rank 1")
+        assert verdicts.seen == []
+        beat.stop()  # what a frozen follower does: nothing more
+        assert verdicts.event.wait(WAIT)
+    finally:
+        monitor.stop()
+    (silence,) = verdicts.seen
+    assert (silence.group_rank, silence.host, silence.pid) == (1, "h1", 4242)
+    assert silence.doing == "evaluating trial 7 (#2)"
+    assert silence.address == "127.0.0.1"
+    assert "rank 1 (pid 4242 on host h1) silent for" in silence.describe()
+
+
+def test_a_forged_or_replayed_beat_keeps_no_silent_follower_alive(
+    leader_store: TCPStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    signer = Signer(new_secret())
+    verdicts = Verdicts()
+    address = f"127.0.0.1:{leader_store.port}"
+    monitor = liveness.Monitor(address, 2, signer, BOUND, verdicts, lambda r: ("h1", None))
+    outsider = store.connect(address, datetime.timedelta(seconds=WAIT), WAIT)
+    record = json.dumps({"n": 1, "doing": "x", "addr": None}).encode()
+    store.put(outsider, signer, liveness.beat_key(1), record, sender=1)
+    try:
+        wait_until(lambda: monitor.beats_seen(1) == 1, "the first beat")
+        stop = threading.Event()
+
+        def replay_and_forge() -> None:
+            while not stop.wait(BOUND / 20):
+                # the same (authentic) record again, and one no secret signed
+                store.put(outsider, signer, liveness.beat_key(1), record, sender=1)
+                outsider.set(liveness.beat_key(1), b'{"n": 99}')
+
+        attacker = threading.Thread(target=replay_and_forge, daemon=True)
+        attacker.start()
+        assert verdicts.event.wait(WAIT)
+        stop.set()
+        attacker.join(WAIT)
+    finally:
+        monitor.stop()
+    assert verdicts.seen[0].group_rank == 1
+    assert "refused a beat of rank 1" in caplog.text
+
+
+def test_a_main_thread_that_holds_the_gil_for_half_the_bound_is_never_silent(
+    leader_store: TCPStore,
+) -> None:
+    """Leader and follower in one process: both threads wait while the GIL is held."""
+    signer = Signer(new_secret())
+    leader_saw, follower_saw = Verdicts(), Verdicts()
+    address = f"127.0.0.1:{leader_store.port}"
+    monitor = liveness.Monitor(address, 2, signer, BOUND, leader_saw, lambda r: ("h", None))
+    beat = liveness.LeaderBeat(address, 1, signer, BOUND, follower_saw, lambda: ("h", None))
+    libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL, as a long C call does
+    try:
+        for _ in range(4):
+            before = monitor.beats_seen(1)
+            libc.usleep(int(BOUND * 0.6 * 1_000_000))
+            wait_until(lambda b=before: monitor.beats_seen(1) >= b + 3, "beats after the hold")
+    finally:
+        monitor.stop()
+        beat.stop()
+    assert leader_saw.seen == []
+    assert follower_saw.seen == []
+
+
+FROZEN_AND_RESUMED = """
+import json, sys, threading, time, datetime
+from neps_bcast.transport import liveness, store
+from neps_bcast.transport.auth import Signer, new_secret
+served = store.serve(datetime.timedelta(seconds=30), loopback=True)
+signer = Signer(new_secret())
+address = f"127.0.0.1:{served.port}"
+said = lambda s: print("silent", s.group_rank, flush=True)
+monitor = liveness.Monitor(address, 2, signer, 1.0, said, lambda r: ("h", None))
+beat = liveness.LeaderBeat(address, 1, signer, 1.0, said, lambda: ("h", None))
+while monitor.beats_seen(1) < 3:
+    time.sleep(0.02)
+print("ready", flush=True)
+sys.stdin.readline()  # resumed: let both threads look again
+n = monitor.beats_seen(1)
+while monitor.beats_seen(1) < n + 5:
+    time.sleep(0.02)
+print("done", flush=True)
+"""
+
+
+def test_a_process_frozen_and_resumed_whole_blames_no_peer_for_its_own_gap() -> None:
+    """A monitor counts silence only while its own process ran: a whole host frozen for
+    three bounds, then resumed, finds every peer alive."""
+    proc = subprocess.Popen(
+        [PYTHON, "-c", FROZEN_AND_RESUMED],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < 3 * BOUND:
+            time.sleep(0.05)  # the fault itself: the process stays frozen this long
+        assert procfs.read_stat(proc.pid) is not None
+        proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate("go\n", timeout=WAIT)
+    finally:
+        proc.kill()
+    assert out.split() == ["done"]
+
+
+def test_a_leader_does_not_renew_its_lease_while_a_rank_of_its_group_is_silent(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    leases = Leases(tmp_path, Settings(heartbeat_s=0.05))
+    liveness.forget()
+    try:
+        leases.take("7", tmp_path)
+        assert leases.written(WAIT)
+        first = read_lease(tmp_path)
+        assert first is not None
+        wait_until(lambda: (read_lease(tmp_path) or first).heartbeat > first.heartbeat, "renewal")
+        liveness.mark(liveness.Silence(1, "h1", 4242, None, 31.0, "training"), "shut")
+        wait_until(lambda: "not renewing the lease of trial 7" in caplog.text, "the refusal")
+        frozen = read_lease(tmp_path)
+        time.sleep(0.2)  # four heartbeat periods: none may renew it
+        assert read_lease(tmp_path) == frozen
+    finally:
+        leases.close()
+        liveness.forget()
+
+
+def test_kernel_detection_is_set_on_the_connections_named_and_no_other() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        b = socket.create_connection(server.getsockname())
+        try:
+            inode = {fd: i for i, fd in sockets.socket_inodes().items()}[a.fileno()]
+            assert sockets.set_liveness_options({inode}, 6.0, 0.6) == 1
+            assert a.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 6000
+            assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert b.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 0
+        finally:
+            a.close()
+            b.close()
+
+
+def test_connections_to_a_lost_node_never_include_loopback() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        a = socket.create_connection(server.getsockname())
+        try:
+            assert sockets.connections_to({"127.0.0.1"}) == set()
+        finally:
+            a.close()
+
+
+def _count(client: TCPStore, signer: Signer, group_rank: int) -> int:
+    key = liveness.beat_key(group_rank)
+    if not client.check([key]):
+        return 0
+    record = json.loads(store.take(client, signer, key, sender=group_rank))
+    return int(record["n"])
