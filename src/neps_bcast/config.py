@@ -89,6 +89,14 @@ VARIABLES = (
         " longest stall of a healthy rank (docs/failures.md)",
     ),
     Variable(
+        "NEPS_BCAST_TRIAL_TIME_LIMIT_S",
+        "trial_time_limit_s",
+        None,
+        "a trial still running this long after its leader took it is ended on every rank"
+        " and goes back to pending (a hang where every rank is alive, e.g. a deadlock in"
+        " the user's code; retried up to NEPS_BCAST_MAX_RETRIES); unset: no limit",
+    ),
+    Variable(
         "NEPS_BCAST_HEARTBEAT_S",
         "heartbeat_s",
         "30",
@@ -121,6 +129,7 @@ class Settings:
     backend: str | None = None
     leader_addr: str | None = None
     peer_timeout_s: float = 30.0
+    trial_time_limit_s: float | None = None
     heartbeat_s: float = 30.0
     lease_grace_s: float = 300.0
     max_retries: int = 3

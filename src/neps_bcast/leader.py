@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_run
 from neps_bcast.errors import NepsBcastError, first_line
 from neps_bcast.leader_trial import RunTrial, SearchAborted, TrialPutBack, wrap
+from neps_bcast.log import logger
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import next_worker_id
 from neps_bcast.recovery.root_lock import RootGuard
@@ -75,7 +77,7 @@ def lead(
     neps_compat.use_neps_locking()
     _fault_points_in_neps()
     guard = RootGuard(root, rt.settings.root_lock_timeout_s)
-    leases = Leases(root, rt.settings)
+    leases = _leases(rt, root)
     if kwargs.get("worker_id") is None and neps_run.takes_worker_id():
         # NePS records it in each trial it sets evaluating: a leader killed before its
         # lease is then still proven dead at once on this machine (see ``lease``).
@@ -127,6 +129,40 @@ def lead(
                 rt.log(logging.ERROR, "could not stop the followers: %s", stop_error)
         raise
     rt.log(logging.INFO, "done")
+
+
+def _leases(rt: Runtime, root: Path) -> Leases:
+    """This leader's leases, which also end a trial past its time limit."""
+    leases = Leases(root, rt.settings)
+    leases.on_time_limit = functools.partial(_past_time_limit, rt, leases)
+    return leases
+
+
+def _past_time_limit(
+    rt: Runtime, leases: Leases, trial_id: str, trial_dir: Path, limit: float
+) -> None:
+    """``NEPS_BCAST_TRIAL_TIME_LIMIT_S`` (on the lease's thread): a trial still running
+    after the limit hangs though every rank may be alive (a deadlock in the user's code),
+    and nothing can unblock a thread stuck in it. The trial goes back to pending (an
+    infrastructure row: crashed past the retry limit), then this process exits with code 1
+    at once; each follower's leader watch then ends its own process."""
+    how = f"still running {limit:g} s after it started (NEPS_BCAST_TRIAL_TIME_LIMIT_S)"
+    try:
+        became = leases.give_back(trial_id, trial_dir, how)
+    except Exception as exc:  # noqa: BLE001 - the exit below must happen: say what failed
+        became = f"not settled ({type(exc).__name__}: {exc}); a leader's look hands it back"
+    rt.log(
+        logging.ERROR,
+        "trial %s is %s: %s. This process exits with code 1 and its followers follow."
+        " HINT: look for a deadlock or a collective only some ranks call in the trial's"
+        " code (py-spy dump on each rank), or raise NEPS_BCAST_TRIAL_TIME_LIMIT_S.",
+        trial_id,
+        how,
+        became,
+    )
+    for handler in logging.getLogger().handlers + logger.logger.handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _fault_points_in_neps() -> None:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +89,10 @@ class Leases:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._silent_said = False
+        self.time_limit_s = settings.trial_time_limit_s
+        self.on_time_limit: Callable[[str, Path, float], None] | None = None
+        """Called on the heartbeat thread when the held trial runs past the limit."""
+        self._taken_at: float | None = None
         self._looked_at: float | None = None
         """When this leader last looked for orphans (``time.monotonic``)."""
 
@@ -116,6 +121,7 @@ class Leases:
         with self._lock:
             self._held = self._unwritten = (trial_dir, lease)
             self._written.clear()
+            self._taken_at = time.monotonic()
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name="neps_bcast-heartbeat", daemon=True
@@ -146,16 +152,39 @@ class Leases:
         """The heartbeat thread: writes each lease taken, renews the held one every
         heartbeat period."""
         while True:
-            woken = self._wake.wait(self.heartbeat_s)
+            woken = self._wake.wait(self._next_wait())
             self._wake.clear()
             if self._closed:
                 return
+            self._check_time_limit()
             with self._lock:
                 fresh = self._unwritten
             if fresh is not None:
                 self._write_taken(fresh)
             elif not woken:
                 self._renew()
+
+    def _next_wait(self) -> float:
+        """Until the next heartbeat, or the held trial's time limit if that is sooner."""
+        with self._lock:
+            taken_at = self._taken_at if self._held is not None else None
+        if taken_at is None or self.time_limit_s is None:
+            return self.heartbeat_s
+        left = taken_at + self.time_limit_s - time.monotonic()
+        return max(0.0, min(self.heartbeat_s, left))
+
+    def _check_time_limit(self) -> None:
+        """``NEPS_BCAST_TRIAL_TIME_LIMIT_S``: hand the held trial to ``on_time_limit``
+        once it has run that long (once per trial)."""
+        with self._lock:
+            held, taken_at = self._held, self._taken_at
+            limit = self.time_limit_s
+            if held is None or taken_at is None or limit is None:
+                return
+            if time.monotonic() - taken_at < limit or self.on_time_limit is None:
+                return
+            self._taken_at = None
+        self.on_time_limit(held[1].trial_id, held[0], limit)
 
     def _write_taken(self, fresh: tuple[Path, Lease]) -> None:
         """Write the lease ``take`` recorded, unless it was dropped or replaced since.
