@@ -356,10 +356,10 @@ def cut_cell(
         cut_at = search.net.cut(cut_host)
         release.touch()
         ends = rank_ends(runs, since, cut_at)
+        after_first = states(search.root)  # before anything is killed: the ranks' own doing
         search.net.heal(cut_host)
         killed = kill_marked(CELL, search.cell)
         first = finish(runs)
-        after_first = states(search.root)
         trials = [e["trial_id"] for e in events(first) if e["event"] == "neps_trial"]
         again = finish(search.start("again"))
         ends = with_logs(ends, first)
@@ -438,7 +438,8 @@ class CutChecks:
             for r in self.cut_off
         }
         assert all(s is not None and s > 0 and named for s, named in found.values()), (
-            f"rank -> (exit status, names its silent peer): {found}; killed: {cell.killed}"
+            f"rank -> (exit status, names its silent peer): {found};"
+            f" errors: { {r: cell.ends[r].error for r in self.cut_off} }; killed: {cell.killed}"
             f"\n{tails(cell.first)}"
         )
 
