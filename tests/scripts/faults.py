@@ -3,7 +3,7 @@
     NB_FAULT="raise:follower:trial=2"          rank 1 raises in a training step of its 2nd trial
     NB_FAULT="sigterm:all:trial=2, sigterm:leader:trial=2:at=settle"
 
-One fault is ``KIND:WHO[:trial=N][:at=POINT][:to=WHOM][:s=SECONDS][:until=PATH]``;
+One fault is ``KIND:WHO[:trial=N][:at=POINT][:to=WHOM][:s=SECONDS][:until=PATH][:mb=MB]``;
 several are separated by commas.
 
 - WHO: ``leader`` (rank 0), ``follower`` (rank 1) or ``all``. In a pool
@@ -49,7 +49,9 @@ several are separated by commas.
   ``kill_parent`` (SIGKILL to the parent: a Lightning child kills its leader), ``sleep``
   (``s`` seconds), ``hang`` (waits for ever: what only the launcher's
   ``--trial-time-limit`` ends), ``hold`` (waits, 180 s at most, until the file ``until``
-  exists: a path without ``:`` or ``,``). Two
+  exists: a path without ``:`` or ``,``), ``save`` (a checkpoint: ``torch.save`` of a
+  tensor of ``mb`` MB into a file beside the records, synced to disk, then removed;
+  "saved" records its seconds). Two
   kinds are asked for by name instead of at a point: ``too_many_devices`` (``devices``:
   the Trainer asks for one device more than the group has) and ``unpicklable``
   (tests/scripts/space_tools.py: NePS builds an argument that cannot be pickled).
@@ -96,6 +98,8 @@ class Fault:
     "rankN" (the one process of group rank N); in a pool also "agent", "launcher"."""
     trial_id: str | None = None
     """A pool: the NePS trial id the fault lands in (None: the first that comes)."""
+    mb: int = 0
+    """``save``: the size of the tensor saved, in MB."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -103,7 +107,7 @@ def parse(spec: str) -> list[Fault]:
     for text in filter(None, (part.strip() for part in spec.split(","))):
         kind, who, *options = text.split(":")
         keys = dict(option.split("=", 1) for option in options)
-        unknown = set(keys) - {"trial", "at", "s", "until", "to", "id"}
+        unknown = set(keys) - {"trial", "at", "s", "until", "to", "id", "mb"}
         to = keys.get("to", "leader")
         if who not in WHO or unknown or not (to in TO or _RANK_N.fullmatch(to)):
             raise ValueError(f"NB_FAULT: cannot read {text!r}")
@@ -120,6 +124,7 @@ def parse(spec: str) -> list[Fault]:
                 keys.get("until", ""),
                 keys.get("to", ""),
                 keys.get("id"),
+                int(keys.get("mb", 0)),
             )
         )
     return faults
@@ -229,11 +234,35 @@ def at(point: str, upcoming: bool = False) -> None:
             record("slept", where=point, seq=SEQ["n"], rank=my_rank())
         if f.kind == "hang":
             threading.Event().wait()  # never set: a deadlock in the user's code
+        if f.kind == "save":
+            _save(f.mb, point)
         if f.kind == "hold":
             deadline = time.monotonic() + 180
             while not Path(f.until).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)  # test orchestration only: released by the test
             record("released", where=point, seq=SEQ["n"], rank=my_rank())
+
+
+def _save(mb: int, point: str) -> None:
+    """A long checkpoint write: ``torch.save`` of ``mb`` MB, flushed and synced."""
+    import tempfile
+
+    import torch
+    from probe import RECORD
+
+    folder = RECORD if RECORD is not None else Path(tempfile.gettempdir())
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"save-{os.getpid()}-{SEQ['n']}.pt"
+    tensor = torch.full((mb * 1_000_000 // 4,), 1.0)
+    started = time.monotonic()
+    with path.open("wb") as file:
+        torch.save(tensor, file)
+        file.flush()
+        os.fsync(file.fileno())
+    took = time.monotonic() - started
+    size = path.stat().st_size
+    path.unlink()
+    record("saved", where=point, seq=SEQ["n"], rank=my_rank(), bytes=size, s=took)
 
 
 def _signal_all(pids: list[int], signum: int) -> None:
