@@ -25,6 +25,8 @@ import pytest
 from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import TCPStore
 from neps_bcast.config import Settings
+from neps_bcast.launcher.search_status import TrialStatus
+from neps_bcast.launcher.search_text import _heartbeat as render_heartbeat
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import read_lease
 from neps_bcast.transport import liveness, sockets, store
@@ -246,6 +248,8 @@ def test_a_leader_does_not_renew_its_lease_while_a_rank_of_its_group_is_silent(
         frozen = read_lease(tmp_path)
         time.sleep(0.2)  # four heartbeat periods: none may renew it
         assert read_lease(tmp_path) == frozen
+        assert frozen is not None
+        assert frozen.silent == "rank 1 (pid 4242 on host h1) silent for 31 s while training"
     finally:
         leases.close()
         liveness.forget()
@@ -281,3 +285,11 @@ def _count(client: TCPStore, signer: Signer, group_rank: int) -> int:
         return 0
     record = json.loads(store.take(client, signer, key, sender=group_rank))
     return int(record["n"])
+
+
+def test_status_shows_a_trial_whose_leader_found_a_rank_silent_as_suspect() -> None:
+    trial = TrialStatus(
+        "7", "evaluating", 1, heartbeat_age_s=40.0, silent="rank 1 (pid 9 on host h1) silent"
+    )
+    line = render_heartbeat(trial)
+    assert line == "SUSPECT: rank 1 (pid 9 on host h1) silent"

@@ -135,6 +135,7 @@ def _leases(rt: Runtime, root: Path) -> Leases:
     """This leader's leases, which also end a trial past its time limit."""
     leases = Leases(root, rt.settings)
     leases.on_time_limit = functools.partial(_past_time_limit, rt, leases)
+    rt.abandon_trial = leases.give_back_held
     return leases
 
 

@@ -139,6 +139,9 @@ class Lease:
     ranks: int | None = None
     """Ranks in the owner's group (None: not known yet, e.g. under Lightning ddp before
     the first ``fit`` formed the group)."""
+    silent: str | None = None
+    """A rank of the owner's group it found silent (frozen, hung, its node lost or cut
+    off), as the owner said it: the trial is suspect, its lease no longer renewed."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -154,6 +157,7 @@ class Lease:
             heartbeat=float(raw["heartbeat"]),
             attempts=tuple(_attempt(a) for a in raw.get("attempts", ())),
             ranks=int(raw["ranks"]) if raw.get("ranks") is not None else None,
+            silent=str(raw["silent"]) if raw.get("silent") is not None else None,
         )
 
     def history(self) -> str:

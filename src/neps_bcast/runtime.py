@@ -87,6 +87,9 @@ class Runtime:
         self.owns_group = False
         self.settled = threading.Event()
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
+        self.abandon_trial: Callable[[str], str] | None = None
+        """Leader: put the trial it holds back (an infrastructure reason), from any
+        thread; returns what became of it (set by ``leader.lead``)."""
         self.devices: tuple[int, ...] | None = None
         """A pool's trial: the device index of each rank, in rank order (else None)."""
 
@@ -243,7 +246,6 @@ class Runtime:
     def shutdown(self, reason: str) -> None:
         """Leader: tell every follower to stop, wait for their goodbye, close the channel."""
         faults.point("stop")
-        self.link.stop_liveness()  # followers leave from now on: that is not silence
         try:
             self.link.release_followers(self.world_size or 1)
             if self.link.channel is not None or (self.world_size or 0) > 1:
@@ -303,6 +305,10 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
             action,
             rt.settings.peer_timeout_s,
         )
+        if rt.abandon_trial is not None:  # a search's leader (not a pool's trial rank)
+            threading.Thread(
+                target=_settle_or_leave, args=(rt, silence), name="neps_bcast-silent", daemon=True
+            ).start()
         if here:
             liveness.kill_if_here(silence.host, silence.pid)
             return
@@ -334,6 +340,32 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
     os._exit(1)
 
 
+def _settle_or_leave(rt: Runtime, silence: liveness.Silence) -> None:
+    """Leader, after a silent follower: the main thread settles the trial and ends the
+    search once its waits fail. Where it stays blocked (on another rank that itself waits
+    for the silent one: three ranks, a node cut off), this thread puts the trial back and
+    ends the process, and every follower's leader watch then ends its own."""
+    wait_s = max(5.0, rt.settings.peer_timeout_s)
+    if rt.settled.wait(wait_s):
+        return
+    how = f"{silence.describe()}: frozen, hung, or its node lost or cut off"
+    try:
+        became = rt.abandon_trial(how) if rt.abandon_trial is not None else "left to its lease"
+    except Exception as exc:  # noqa: BLE001 - the exit below must happen: say what failed
+        became = f"not settled ({type(exc).__name__}: {exc}); a leader's look hands it back"
+    logger.log(
+        logging.ERROR,
+        "still blocked %.0f s after %s; the trial it held: %s. Exiting with code 1"
+        " (FollowerLostError); the followers' leader watches end the rest.",
+        wait_s,
+        how,
+        became,
+    )
+    for handler in logging.getLogger().handlers + logger.logger.handlers:
+        handler.flush()
+    os._exit(1)
+
+
 def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostError:
     if rt.group_rank == 0:
         who = rt.link.peers.describe_lost(rt.link.store, rt.world_size)
@@ -348,7 +380,7 @@ def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostErro
     return LeaderLostError(
         format_message(
             rt.tag,
-            f"lost the leader (rank 0): {first_line(exc)}.",
+            f"lost the leader (rank 0): {first_line(exc)}{liveness.why_leader_left(str(exc))}.",
             "the leader process exited or was killed; see its log. This follower"
             " stops because no one is left to hand it trials.",
         )

@@ -83,6 +83,9 @@ class TrialStatus:
     heartbeat_age_s: float | None = None
     stale: str | None = None
     """Why its lease is stale (its leader is gone), None while it may be alive."""
+    silent: str | None = None
+    """A running trial whose leader found a rank of its group silent (frozen, hung, its
+    node lost or cut off): suspect, its lease no longer renewed."""
     elapsed_s: float | None = None
     objective: float | list[float] | None = None
     cost: float | None = None
@@ -370,6 +373,7 @@ def _trial_status(
         rank_pids=placement.rank_pids if placement is not None else None,
         heartbeat_age_s=now - lease.heartbeat if owner is not None and lease is not None else None,
         stale=stale,
+        silent=lease.silent if lease is not None and running else None,
         elapsed_s=elapsed,
         objective=files.objective,
         cost=files.cost,

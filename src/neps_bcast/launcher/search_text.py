@@ -42,6 +42,8 @@ def _heartbeat(t: TrialStatus) -> str:
         return "-"
     if t.stale is not None:
         return f"STALE: {t.stale}"
+    if t.silent is not None:
+        return f"SUSPECT: {t.silent}"
     if t.heartbeat_age_s is None:
         return "no lease yet"
     return f"{_age(t.heartbeat_age_s)} ago"

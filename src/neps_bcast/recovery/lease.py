@@ -224,6 +224,7 @@ class Leases:
                         "not renewing the lease of trial %s: a rank of its group is silent",
                         held[1].trial_id,
                     )
+                    self._say_silent(*held)
                 return
             trial_dir, lease = held
             try:
@@ -245,6 +246,27 @@ class Leases:
                 self._held = (trial_dir, renewed)
             except OSError as exc:
                 self.log(logging.WARNING, "could not renew the lease of %s: %s", trial_dir, exc)
+
+    def _say_silent(self, trial_dir: Path, lease: Lease) -> None:
+        """Record in the lease which rank went silent (``neps-bcast status`` shows it);
+        the heartbeat stays as it was."""
+        text = "; ".join(silence.describe() for silence in liveness.silent_ones())
+        try:
+            with lease_lock(trial_dir):
+                on_disk = read_lease(trial_dir)
+                if on_disk is not None and on_disk.owner == self.me:
+                    write_lease(trial_dir, replace(on_disk, silent=text))
+        except OSError as exc:
+            self.log(logging.WARNING, "could not mark the lease of %s: %s", trial_dir, exc)
+
+    def give_back_held(self, how: str) -> str:
+        """Put back the trial this leader holds, from any thread (``give_back``)."""
+        with self._lock:
+            held = self._held
+        if held is None:
+            return "none held"
+        trial_dir, lease = held
+        return f"trial {lease.trial_id} {self.give_back(lease.trial_id, trial_dir, how)}"
 
     def give_back(self, trial_id: str, trial_dir: Path, how: str) -> str:
         """This leader abandons its trial for an infrastructure reason (``how``): back to

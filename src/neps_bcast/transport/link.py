@@ -136,9 +136,7 @@ class Link:
             self._watch_liveness(world_size)
         # Kernel-level detection on the channel's own connections too: a peer whose node
         # is lost fails them by itself (a frozen one needs the heartbeat).
-        sockets.set_liveness_options(
-            self.own, self.settings.peer_timeout_s, self.settings.peer_timeout_s / 10
-        )
+        liveness.guard(self.own, self.settings.peer_timeout_s)
         return self.channel
 
     def _watch_liveness(self, world_size: int) -> None:

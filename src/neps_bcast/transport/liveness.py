@@ -109,6 +109,10 @@ def any_silent() -> bool:
     return bool(_silenced)
 
 
+def silent_ones() -> list[Silence]:
+    return [silence for silence, _ in _silenced.values()]
+
+
 def mark(silence: Silence, action: str) -> None:
     _silenced[silence.group_rank] = (silence, action)
 
@@ -127,7 +131,27 @@ class _Beat:
 
 
 def _record(n: int, address: str | None) -> dict[str, object]:
-    return {"n": n, "doing": _doing, "addr": address}
+    record: dict[str, object] = {"n": n, "doing": _doing, "addr": address}
+    if _silenced:
+        record["silent"] = "; ".join(silence.describe() for silence, _ in _silenced.values())
+    return record
+
+
+_leader_found: str | None = None
+"""Follower: the silent ranks its leader last said it found (from the leader's beat)."""
+
+
+def why_leader_left(error: str) -> str:
+    """Follower: what to add to "lost the leader": the silence its leader found (it then
+    leaves), or a connection that timed out (the leader's node lost or cut off)."""
+    if _leader_found is not None:
+        return f" (the leader had found {_leader_found}: frozen, hung, or its node lost or cut off)"
+    if "timed out" in error.lower():
+        return (
+            " (no answer from the leader's host: the leader is silent, frozen or hung,"
+            " or its node is lost or cut off)"
+        )
+    return ""
 
 
 def _read(client: Store, signer: Signer, group_rank: int) -> dict[str, object] | None:
@@ -146,10 +170,19 @@ def _accrue(last_wake: float, beat_s: float) -> tuple[float, float]:
     return min(now - last_wake, 2 * beat_s), now
 
 
-def _guard_connections(before: set[int], bound_s: float, beat_s: float) -> None:
-    """TCP_USER_TIMEOUT and keepalives on the connections made since ``before``."""
-    new = set(sockets.socket_inodes()) - before
-    sockets.set_liveness_options(new, bound_s, beat_s)
+KERNEL_BOUND = 1.5
+"""The kernel's bound on unacknowledged data (``TCP_USER_TIMEOUT``) in peer bounds: later
+than the heartbeat's verdict, so that a lost node is named silent by the heartbeat, and
+the kernel only frees a thread still blocked on a connection to it."""
+
+
+def guard(inodes: set[int], bound_s: float) -> int:
+    """TCP_USER_TIMEOUT and keepalives on the given connections of this process."""
+    return sockets.set_liveness_options(inodes, KERNEL_BOUND * bound_s, bound_s / BEATS_PER_BOUND)
+
+
+def _guard_connections(before: set[int], bound_s: float) -> None:
+    guard(set(sockets.socket_inodes()) - before, bound_s)
 
 
 class Monitor:
@@ -172,10 +205,11 @@ class Monitor:
         self._peer_of = peer_of
         self._stopped = threading.Event()
         self._beats = {r: _Beat() for r in range(1, world_size)}
+        self._n = 0
         before = set(sockets.socket_inodes())
         host, _, port = address.rpartition(":")
         self._client = store.connect(f"{host}:{port}", datetime.timedelta(seconds=bound_s), bound_s)
-        _guard_connections(before, bound_s, self.beat_s)
+        _guard_connections(before, bound_s)
         self.thread = threading.Thread(target=self._run, name="neps_bcast-monitor", daemon=True)
         self.thread.start()
 
@@ -197,19 +231,19 @@ class Monitor:
                 return
             n += 1
             try:
-                store.put(
-                    self._client,
-                    self.signer,
-                    beat_key(0),
-                    json.dumps(_record(n, None)).encode(),
-                    sender=0,
-                )
+                self._put(n)
                 gap, last_wake = _accrue(last_wake, self.beat_s)
                 for r, beat in self._beats.items():
                     self._look(r, beat, gap)
             except Exception as exc:  # noqa: BLE001 - our own store is gone: the run ends
                 logger.log(logging.DEBUG, "liveness monitor ends: %s", exc)
                 return
+
+    def _put(self, n: int) -> None:
+        """The leader's own beat (``n`` < 0: the last one, the counter kept)."""
+        self._n = n if n >= 0 else self._n
+        record = json.dumps(_record(self._n, None)).encode()
+        store.put(self._client, self.signer, beat_key(0), record, sender=0)
 
     def _look(self, group_rank: int, beat: _Beat, gap: float) -> None:
         try:
@@ -233,6 +267,8 @@ class Monitor:
             silence = Silence(group_rank, host, pid, beat.address, beat.silent_s, beat.doing)
             self._stopped.set()
             self._on_silent(silence)
+            with contextlib.suppress(Exception):  # the followers read it with their beats
+                self._put(-1)
 
 
 class LeaderBeat:
@@ -259,7 +295,7 @@ class LeaderBeat:
         self._address = _route_to(address.rpartition(":")[0])
         before = set(sockets.socket_inodes())
         self._client = store.connect(address, datetime.timedelta(seconds=bound_s), bound_s)
-        _guard_connections(before, bound_s, self.beat_s)
+        _guard_connections(before, bound_s)
         self._beat_thread = threading.Thread(target=self._beat, name="neps_bcast-beat", daemon=True)
         self._judge_thread = threading.Thread(
             target=self._judge, name="neps_bcast-beat-judge", daemon=True
@@ -295,6 +331,9 @@ class LeaderBeat:
             self._pending_since = None
             if record is not None:
                 self._leader_doing = str(record.get("doing", "unknown"))
+                if isinstance(record.get("silent"), str):
+                    global _leader_found  # noqa: PLW0603 - read by this rank's error texts
+                    _leader_found = str(record["silent"])
             _changed.wait(self.beat_s)
             _changed.clear()
 

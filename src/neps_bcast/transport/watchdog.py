@@ -27,7 +27,7 @@ from neps_bcast.compat.torch import Store
 from neps_bcast.config import Settings
 from neps_bcast.errors import AuthError
 from neps_bcast.log import logger
-from neps_bcast.transport import store
+from neps_bcast.transport import liveness, store
 from neps_bcast.transport.auth import Context, Signer
 
 GRACE_S = 3.0
@@ -70,6 +70,7 @@ class LeaderWatch:
         # own watch. Nothing else (a forged value, or one recorded from another search).
         writers = [Context(key, 0), Context(key, self.group_rank)]
         refusals = 0
+        error = ""
         while True:
             try:
                 self._store.wait([key], self._timeout)
@@ -86,8 +87,10 @@ class LeaderWatch:
             except dist.DistStoreError as exc:
                 if "timeout" in str(exc).lower():
                     continue  # the leader is alive, only quiet for a long time
+                error = str(exc)
                 break
-            except Exception:  # noqa: BLE001 - the connection is gone (DistNetworkError)
+            except Exception as exc:  # noqa: BLE001 - the connection is gone (DistNetworkError)
+                error = str(exc)
                 break
             else:
                 return  # released: the search is over, or this follower is leaving
@@ -95,11 +98,12 @@ class LeaderWatch:
             return
         logger.log(
             logging.ERROR,
-            "lost the leader (rank 0): its store at %s closed the connection, and"
+            "lost the leader (rank 0): its store at %s closed the connection%s, and"
             " this process was still waiting %.0f s later (in a rendezvous or a"
             " collective). Exiting with code 1 (LeaderLostError). HINT: the leader"
             " process exited or was killed; see its log.",
             self.address,
+            liveness.why_leader_left(error),
             GRACE_S,
         )
         for handler in logging.getLogger().handlers + logger.logger.handlers:
