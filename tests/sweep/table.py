@@ -14,7 +14,7 @@ Nothing here imports torch, NePS or neps_bcast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAUNCHERS = ("lightning", "torchrun", "torchrun3")
 """``python script.py`` under Lightning ``strategy="ddp"`` (Lightning starts the
@@ -97,7 +97,22 @@ FAULTS = (
     Fault(
         "raise", "an exception at the step (the follower's, where every rank reaches it)", "raise"
     ),
+    Fault(
+        "freeze_leader",
+        "the leader frozen (SIGSTOP: a hung node, nothing closes)",
+        "sigstop",
+        "leader",
+    ),
+    Fault(
+        "freeze_follower",
+        "the follower (rank 1) frozen (SIGSTOP: a hung node, nothing closes)",
+        "sigstop",
+        "follower",
+    ),
 )
+
+SILENT_BOUND_S = 3
+"""``NEPS_BCAST_PEER_TIMEOUT_S`` in a frozen cell's launch (the default is 30 s)."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +174,26 @@ ROWS = (
         "the next leader on the root, or a running one after its trial; at once on the"
         " same machine",
         "followers 1 (`LeaderLostError`); a leader whose `neps.run` raised: 1, its followers 0",
+    ),
+    Row(
+        "follower_silent",
+        "a follower is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, hung on a"
+        " mount or a driver call, its node lost or cut off (no FIN, no RST)",
+        "`pending`; the leader samples nothing for its broken group",
+        "the next leader (2)",
+        "leader 1 (`FollowerLostError: rank 1 (pid N on host H) silent for 31 s while"
+        " ...`); on this host the silent follower is SIGKILLed by its leader (-9)",
+    ),
+    Row(
+        "leader_silent",
+        "the leader is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, hung, its"
+        " node lost or cut off",
+        "on this host: as a killed leader (SIGKILLed by a follower); elsewhere: the leader"
+        " finds its followers silent and puts the trial back to `pending` itself where it"
+        " still reaches the root, else as a lost node",
+        "as the row it becomes",
+        "followers 1 (`lost the leader: rank 0 ... silent for 31 s while ...`); the leader"
+        " -9 on this host, 1 elsewhere",
     ),
     Row(
         "node_lost",
@@ -262,6 +297,15 @@ user's, NePS's or the filesystem's runs there."""
 
 def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
     """What one cell must end in, by the rows of "How a trial ends"."""
+    if fault.kind == "sigstop":
+        # On one host a frozen rank's peer ends it (SIGKILL) once it has been silent for
+        # the bound: from then on the cell is the kill cell of the same rank.
+        killed = next(f for f in FAULTS if f.name == fault.name.replace("freeze", "kill"))
+        base = expect(launcher, point, killed)
+        if isinstance(base, Unreachable):
+            return base
+        row = "leader_silent" if fault.to == "leader" else "follower_silent"
+        return replace(base, row=row, note=f"{base.note} (frozen, then SIGKILLed by its peer)")
     if fault.kind == "raise" and point.name in OWN_CODE_ONLY:
         return Unreachable(OWN_CODE_ONLY[point.name])
     n = point.trial or point.trials
@@ -521,12 +565,23 @@ the leader's same code while the follower waits in the same receive under either
 ranks, the steps where a second follower is in a collective with the one the fault
 names: the user's training step, the trial-end exchange, STOP and the goodbye."""
 
+FROZEN_AT = {
+    "torchrun": ("handed", "form", "fit", "exchange", "sample", "stop"),
+    "lightning": ("handed", "form", "fit", "exchange", "sample", "stop"),
+    "torchrun3": (),
+}
+"""The steps where a rank is frozen: every step where a rank can wait on another
+(waiting for the next trial while NePS samples, the hand-over, forming the group, the
+user's training collectives, the trial-end exchange, STOP), under both launchers. A
+frozen rank's cell costs its kill cell plus the bound (``SILENT_BOUND_S``)."""
+
 CELLS = [
     (launcher, p, f)
     for launcher in LAUNCHERS
     for p in POINTS
     if p.name in SWEPT[launcher]
     for f in FAULTS
+    if f.kind != "sigstop" or p.name in FROZEN_AT[launcher]
     if not isinstance(expect(launcher, p, f), Unreachable)
 ]
 
@@ -590,6 +645,12 @@ POOL_FAULTS = (
     ),
     Fault("int_launcher", "SIGINT to the launcher (Ctrl-C)", "sigint", "launcher"),
     Fault(
+        "freeze_r1",
+        "the trial's rank 1 frozen (SIGSTOP: a hung node, nothing closes)",
+        "sigstop",
+        "follower",
+    ),
+    Fault(
         "kill_launcher",
         "SIGKILL to the launcher (a crash, the OOM killer): its processes get their"
         " parent-death SIGTERM",
@@ -647,6 +708,13 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
             if point.owner == "rank"
             else "the agent's steps are NePS's and neps_bcast's, each bounded"
         )
+    if fault.kind == "sigstop":
+        # Its trial's rank 0 finds it silent after the bound and SIGKILLs it (one host):
+        # from then on the cell is the kill cell of that rank.
+        base = pool_expect(point, POOL_FAULT[fault.name.replace("freeze", "kill")])
+        if isinstance(base, Unreachable):
+            return base
+        return replace(base, note=f"{base.note} (frozen, then SIGKILLed by its trial's rank 0)")
     if fault.kind == "hang":
         return PoolExpect(
             "pool_lost",
@@ -834,6 +902,7 @@ POOL_CHAINS: dict[str, tuple[tuple[str, str], ...]] = {
         ("fit", "hang"),
         ("exchange", "kill_r1"),
         ("done", "kill_r0"),
+        ("fit", "freeze_r1"),
     ),
     "agent": (
         ("ask", "kill_agent"),

@@ -26,6 +26,7 @@ from table import (
     POOL_CHAINS,
     POOL_FAULT,
     POOL_POINT,
+    SILENT_BOUND_S,
     Fault,
     PoolExpect,
     PoolPoint,
@@ -177,7 +178,13 @@ def run_going_on(chain: PoolChain, tmp_path: Path) -> tuple[list[str], Result]:
     """The chain's one launch, every fault on its own trial; the launch goes on."""
     root = tmp_path / "results"
     specs = [pool_spec(p, f, chain.trial_id(i)) for i, (p, f) in enumerate(chain.cells)]
-    launch = run(chain.command(), tmp_path, name="faults", fault=", ".join(specs), timeout=LAUNCH_S)
+    # A frozen rank is found silent after NEPS_BCAST_PEER_TIMEOUT_S: short in its chain
+    # (every other trial of the launch then shows that busy ranks are never taken for it).
+    frozen = any(fault.kind == "sigstop" for _, fault in chain.cells)
+    env = {"NEPS_BCAST_PEER_TIMEOUT_S": str(SILENT_BOUND_S)} if frozen else {}
+    launch = run(
+        chain.command(), tmp_path, name="faults", fault=", ".join(specs), timeout=LAUNCH_S, env=env
+    )
     after = neps_view(root)
     problems: list[str] = []
     allowed: dict[int, frozenset[int]] = {}

@@ -38,6 +38,7 @@ from table import (
     CELLS,
     FAULTS,
     RANKS,
+    SILENT_BOUND_S,
     Expect,
     Fault,
     Point,
@@ -248,7 +249,10 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
     root = cwd / "results"
     before = neps_view(root)
     text = spec(chain.point, fault, RANKS[chain.launcher])
-    launch = run(chain.command(), tmp_path, name=f"{i:02d}-{fault.name}", cwd=cwd, fault=text)
+    silent = {"NEPS_BCAST_PEER_TIMEOUT_S": str(SILENT_BOUND_S)} if fault.kind == "sigstop" else {}
+    launch = run(
+        chain.command(), tmp_path, name=f"{i:02d}-{fault.name}", cwd=cwd, fault=text, env=silent
+    )
     problems = []
     fired = [e for e in launch.of("fault") if e.get("where") == chain.point.name]
     if not fired:
