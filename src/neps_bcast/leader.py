@@ -136,7 +136,31 @@ def _leases(rt: Runtime, root: Path) -> Leases:
     leases = Leases(root, rt.settings)
     leases.on_time_limit = functools.partial(_past_time_limit, rt, leases)
     rt.abandon_trial = leases.give_back_held
+    leases.on_superseded = functools.partial(_superseded, rt)
+    # Fencing: NePS records a result only for the attempt that holds the trial's lease.
+    neps_run.fence_recording(functools.partial(_refuse_record, rt, leases))
     return leases
+
+
+def _refuse_record(rt: Runtime, leases: Leases, trial_id: str) -> str | None:
+    """NePS records ``trial_id`` (under its trial lock): refused, with one line, when
+    another attempt took the trial over."""
+    why = leases.refuse_record(trial_id)
+    if why is not None:
+        rt.log(logging.ERROR, "%s: not recorded", why)
+    return why
+
+
+def _superseded(rt: Runtime, line: str) -> None:
+    """The lease thread found the trial taken over (this host was silent past the
+    grace period, e.g. frozen or cut off from the filesystem, and came back): this
+    group stops that trial at once instead of training on. This process exits 1 (the
+    fence drops its result if it got that far), and every follower's leader watch then
+    ends its own."""
+    rt.log(logging.ERROR, "%s; this worker stops now (exit code 1)", line)
+    for handler in logging.getLogger().handlers + logger.logger.handlers:
+        handler.flush()
+    os._exit(1)
 
 
 def _past_time_limit(

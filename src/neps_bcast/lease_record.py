@@ -142,6 +142,12 @@ class Lease:
     silent: str | None = None
     """A rank of the owner's group it found silent (frozen, hung, its node lost or cut
     off), as the owner said it: the trial is suspect, its lease no longer renewed."""
+    attempt: int = 0
+    """The owner's attempt: 1, or n + 1 after n interruptions (0: a lease an older
+    neps_bcast wrote). Only this attempt's owner may record the trial's result."""
+    beats: int = 0
+    """Renewals so far: a reader on another host times its changes on its own monotonic
+    clock, never comparing two hosts' wall clocks."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -158,6 +164,8 @@ class Lease:
             attempts=tuple(_attempt(a) for a in raw.get("attempts", ())),
             ranks=int(raw["ranks"]) if raw.get("ranks") is not None else None,
             silent=str(raw["silent"]) if raw.get("silent") is not None else None,
+            attempt=int(raw.get("attempt", 0)),
+            beats=int(raw.get("beats", 0)),
         )
 
     def history(self) -> str:
@@ -195,18 +203,42 @@ def why_dead(
     now: float,
     grace_s: float,
     worker_id: str | None = None,
+    *,
+    fs_age_s: float | None = None,
+    unchanged_s: float | None = None,
 ) -> str | None:
     """Why the trial's owner is provably gone, or None while it may be alive.
 
     ``worker_id``: the worker NePS holds the trial evaluating for; a leader of ours on
-    this machine that died before it wrote the lease is named there."""
+    this machine that died before it wrote the lease is named there.
+
+    An owner on another machine is judged without comparing two hosts' clocks where the
+    reader can: ``unchanged_s``, how long this reader has seen the lease (or its absence)
+    unchanged, timed on its own monotonic clock; and ``fs_age_s``, the lease's age by
+    the shared filesystem's own clock (its file's mtime against a file this reader just
+    wrote). Gone: unchanged for the grace period as timed here, or, at a first look,
+    stale by both the filesystem's clock and this host's (a clock ahead sees a live
+    lease as old by its own clock only; a clock behind waits for its own timing). A
+    reader that can do neither (``neps-bcast status``) compares wall clocks."""
+    if unchanged_s is not None and unchanged_s > grace_s:
+        owner = lease.owner if lease is not None else None
+        if owner is None or not me.shares_machine_with(owner):
+            who = owner.describe() if owner is not None else f"worker {worker_id}"
+            return (
+                f"its lease ({who}) unchanged for {unchanged_s:.0f} s, timed on this host"
+                f" (grace {grace_s:.0f} s)"
+            )
     owner = lease.owner if lease is not None else None
     if lease is None or owner is None:
         worker = Owner.from_worker_id(worker_id)
         if worker is not None and me.shares_machine_with(worker):
             gone = _gone(worker)
             return None if gone is None else f"{gone}, before it leased the trial"
-        if time_started is not None and now - time_started > grace_s:
+        if (
+            time_started is not None
+            and now - time_started > grace_s
+            and (fs_age_s is None or fs_age_s > grace_s)
+        ):
             return (
                 f"evaluating for {now - time_started:.0f} s without a lease (grace"
                 f" {grace_s:.0f} s): its worker died before it wrote one"
@@ -215,9 +247,10 @@ def why_dead(
     if me.shares_machine_with(owner):
         return _gone(owner)
     age = now - lease.heartbeat
-    if age > grace_s:
+    if age > grace_s and (fs_age_s is None or fs_age_s > grace_s):
+        by_fs = f", {fs_age_s:.0f} s by the filesystem's clock" if fs_age_s is not None else ""
         return (
-            f"no heartbeat from its leader ({owner.describe()}) for {age:.0f} s"
+            f"no heartbeat from its leader ({owner.describe()}) for {age:.0f} s{by_fs}"
             f" (grace {grace_s:.0f} s)"
         )
     return None

@@ -87,6 +87,8 @@ class Runtime:
         self.owns_group = False
         self.settled = threading.Event()
         """Leader: the trial that ends the search is recorded (or neps.run ended)."""
+        self.trial_label: str | None = None
+        """The trial this rank evaluates, as its beats name it ("trial 4 (#2)")."""
         self.abandon_trial: Callable[[str], str] | None = None
         """Leader: put the trial it holds back (an infrastructure reason), from any
         thread; returns what became of it (set by ``leader.lead``)."""
@@ -229,9 +231,10 @@ class Runtime:
             return None  # interrupted before the hand-over: the followers wait for the next
         if not self.ensure_channel():
             return None
-        liveness.doing(f"in a meeting of the ranks of trial #{report.seq}")
+        label = self.trial_label or f"trial #{report.seq}"
+        liveness.doing(f"in a meeting of the ranks of {label}")
         reports = self._on_channel(lambda c: self.steps.meet(c, report, self.tag))
-        liveness.doing(f"evaluating trial #{report.seq}")
+        liveness.doing(f"evaluating {label}")
         return reports
 
     def check_stopped(self) -> None:
@@ -369,12 +372,16 @@ def _settle_or_leave(rt: Runtime, silence: liveness.Silence) -> None:
 def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostError:
     if rt.group_rank == 0:
         who = rt.link.peers.describe_lost(rt.link.store, rt.world_size)
+        hint = (
+            "see the silent rank's host (frozen, swapping, a hung mount, its network);"
+            if liveness.any_silent()
+            else "a follower killed by a signal cannot report its error: see its log;"
+        )
         return FollowerLostError(
             format_message(
                 rt.tag,
                 f"{who or 'a follower left the group'} ({first_line(exc)}).",
-                "a follower killed by a signal cannot report its error: see its log;"
-                " the search stops here, and running the same command again resumes it.",
+                f"{hint} the search stops here, and running the same command again resumes it.",
             )
         )
     return LeaderLostError(

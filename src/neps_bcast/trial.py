@@ -236,7 +236,8 @@ def evaluate_once(
     leader's time belongs to NePS (recording, sampling).
     """
     log_freed(rt, trial_starts())
-    liveness.doing(f"evaluating trial {message.trial_id} (#{message.seq})")
+    rt.trial_label = f"trial {message.trial_id} (#{message.seq})"
+    liveness.doing(f"evaluating {rt.trial_label}")
     run = TrialRun(rt, message)
     with run.running():
         result: Any = None

@@ -65,14 +65,37 @@ def takes_worker_id() -> bool:
     return "worker_id" in inspect.signature(run).parameters
 
 
+_HOOKS: dict[str, Any] = {
+    "before_sample": lambda: None,
+    "before_record": lambda trial_id: None,
+    "refuse": lambda trial_id: None,
+}
+"""What the wrappers of NePS's sampling and recording call (``_install``)."""
+
+
 def call_before_sampling_and_recording(
     before_sample: Callable[[], None], before_record: Callable[[str], None]
 ) -> None:
     """Call ``before_sample()`` as NePS starts sampling a trial and ``before_record(id)``
     as it starts recording one's result (``NePSState._sample_trial`` and
     ``_report_trial_evaluation``, private to NePS). Only for fault points that a test
-    armed (``neps_bcast.faults``): nothing installs it otherwise. Installing twice keeps
-    one wrapper."""
+    armed (``neps_bcast.faults``). Installing twice keeps one wrapper."""
+    _HOOKS["before_sample"] = before_sample
+    _HOOKS["before_record"] = before_record
+    _install()
+
+
+def fence_recording(refuse: Callable[[str], str | None]) -> None:
+    """Fencing: NePS records a trial's result only if ``refuse(trial_id)`` returns None;
+    otherwise the result is dropped (and the reason returned by ``refuse`` is logged by
+    it). NePS calls ``_report_trial_evaluation`` holding its trial lock, so the check and
+    the write are one critical section: no other worker can take the trial over between
+    them."""
+    _HOOKS["refuse"] = refuse
+    _install()
+
+
+def _install() -> None:
     from neps.state.neps_state import NePSState
 
     sample = getattr(NePSState._sample_trial, "__wrapped__", NePSState._sample_trial)
@@ -81,12 +104,15 @@ def call_before_sampling_and_recording(
     )
 
     def sampling(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before_sample()
+        _HOOKS["before_sample"]()
         return sample(self, *args, **kwargs)
 
     def reporting(self: Any, *args: Any, **kwargs: Any) -> Any:
         trial = kwargs.get("trial", args[0] if args else None)
-        before_record(str(getattr(trial, "id", "?")))
+        trial_id = str(getattr(trial, "id", "?"))
+        _HOOKS["before_record"](trial_id)
+        if _HOOKS["refuse"](trial_id) is not None:
+            return None  # the trial on disk is the current attempt's: left as it is
         return report(self, *args, **kwargs)
 
     sampling.__wrapped__ = sample  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ Always under NePS's trial lock (``compat.neps.locked_trials``) and the lease fil
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from neps_bcast.config import Settings
 from neps_bcast.launcher import trial_placement
 from neps_bcast.log import logger
 from neps_bcast.recovery.lease_file import (
+    LEASE_FILE,
     Attempt,
     Lease,
     Owner,
@@ -38,6 +40,8 @@ class HandBack:
         self.heartbeat_s = settings.heartbeat_s
         self.grace_s = settings.lease_grace_s
         self.max_retries = settings.max_retries
+        self._seen: dict[str, tuple[object, float]] = {}
+        """trial id -> (its lease as last seen, when first seen so: ``time.monotonic``)."""
 
     def orphans(self, root: Path) -> list[str]:
         """Put back every trial of ``root`` whose owner is provably gone; what was done,
@@ -47,19 +51,33 @@ class HandBack:
             if book is None:
                 return []
             now = time.time()
+            fs_now = filesystem_now(root)
             for trial in book.evaluating():
                 with lease_lock(trial.location):
-                    outcome = self._orphan(book, trial, now)
+                    outcome = self._orphan(book, trial, now, fs_now)
                 if outcome is not None:
                     done.append(f"{trial.trial_id}: {outcome}")
         return done
 
     def _orphan(
-        self, book: neps_trials.TrialBook, trial: neps_trials.EvaluatingTrial, now: float
+        self,
+        book: neps_trials.TrialBook,
+        trial: neps_trials.EvaluatingTrial,
+        now: float,
+        fs_now: float | None = None,
     ) -> str | None:
         """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
         lease = read_lease(trial.location)
-        reason = why_dead(lease, trial.time_started, self.me, now, self.grace_s, trial.worker_id)
+        reason = why_dead(
+            lease,
+            trial.time_started,
+            self.me,
+            now,
+            self.grace_s,
+            trial.worker_id,
+            fs_age_s=_age_by_filesystem(trial.location, fs_now),
+            unchanged_s=self._unchanged_s(trial.trial_id, lease, trial),
+        )
         if reason is None:
             if lease is not None and lease.owner is not None:
                 age = now - lease.heartbeat
@@ -91,6 +109,23 @@ class HandBack:
         outcome = self.trial(book, trial.trial_id, trial.location, lease, attempt)
         logger.log(logging.WARNING, "orphaned trial %s (%s): %s", trial.trial_id, reason, outcome)
         return outcome
+
+    def _unchanged_s(
+        self, trial_id: str, lease: Lease | None, trial: neps_trials.EvaluatingTrial
+    ) -> float:
+        """How long this leader has seen the trial's lease as it is now (its monotonic
+        clock: no other host's clock is read)."""
+        seen = (
+            (lease.owner, lease.beats, lease.heartbeat, len(lease.attempts), lease.attempt)
+            if lease is not None
+            else ("no lease", trial.worker_id, trial.time_started)
+        )
+        now = time.monotonic()
+        before = self._seen.get(trial_id)
+        if before is None or before[0] != seen:
+            self._seen[trial_id] = (seen, now)
+            return 0.0
+        return now - before[1]
 
     def trial(
         self,
@@ -131,3 +166,35 @@ def where_it_ran(attempt: Attempt, lease: Lease, trial_dir: Path) -> Attempt:
             launch_id=placement.launch_id,
         )
     return replace(attempt, ranks=lease.ranks)
+
+
+CLOCK_FILE = ".neps_bcast_clock"
+"""A file in the root each leader rewrites to read the shared filesystem's clock."""
+
+
+def filesystem_now(root: Path) -> float | None:
+    """The shared filesystem's clock: the mtime of a file just written in ``root`` (None
+    where it cannot be written). Compared with a lease file's mtime, it ages a lease by
+    one clock, the filesystem's, whoever wrote it."""
+    path = root / CLOCK_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"1")
+            return os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+
+
+def _age_by_filesystem(trial_dir: Path, fs_now: float | None) -> float | None:
+    """The lease's age (else the trial directory's) by the filesystem's clock."""
+    if fs_now is None:
+        return None
+    for path in (trial_dir / LEASE_FILE, trial_dir):
+        try:
+            return fs_now - path.lstat().st_mtime
+        except OSError:
+            continue
+    return None

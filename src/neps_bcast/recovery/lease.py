@@ -93,6 +93,11 @@ class Leases:
         self.on_time_limit: Callable[[str, Path, float], None] | None = None
         """Called on the heartbeat thread when the held trial runs past the limit."""
         self._taken_at: float | None = None
+        self._mine: dict[str, tuple[Path, int]] = {}
+        """Every trial this leader took: its directory and this leader's attempt."""
+        self.on_superseded: Callable[[str], None] | None = None
+        """Called on the heartbeat thread with the log line when another leader's
+        attempt took the held trial over (this one was silent past the grace period)."""
         self._looked_at: float | None = None
         """When this leader last looked for orphans (``time.monotonic``)."""
 
@@ -117,11 +122,13 @@ class Leases:
         now = time.time()
         previous = read_lease(trial_dir)
         attempts = previous.attempts if previous is not None else ()
-        lease = Lease(trial_id, self.me, now, now, attempts, ranks)
+        attempt = len(attempts) + 1
+        lease = Lease(trial_id, self.me, now, now, attempts, ranks, attempt=attempt)
         with self._lock:
             self._held = self._unwritten = (trial_dir, lease)
             self._written.clear()
             self._taken_at = time.monotonic()
+            self._mine[trial_id] = (trial_dir, attempt)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name="neps_bcast-heartbeat", daemon=True
@@ -129,7 +136,7 @@ class Leases:
             self._thread.start()
         self._wake.set()
         faults.point("leased")
-        return len(attempts) + 1
+        return attempt
 
     def written(self, timeout: float) -> bool:
         """Wait until the last lease taken is written (or dropped); False on timeout."""
@@ -145,6 +152,7 @@ class Leases:
 
     def close(self) -> None:
         self._closed = True
+        self._mine.clear()  # the search is over: fence nothing more (one process, one run)
         self.drop()
         self._wake.set()
 
@@ -231,21 +239,33 @@ class Leases:
                 with lease_lock(trial_dir):
                     on_disk = read_lease(trial_dir)
                     if on_disk is None or on_disk.owner != self.me:
-                        self.log(
-                            logging.ERROR,
-                            "trial %s was taken over by another leader (%s); no longer"
-                            " renewing its lease",
-                            lease.trial_id,
-                            on_disk.owner.describe() if on_disk and on_disk.owner else "nobody",
-                        )
+                        line = superseded(lease.trial_id, lease.attempt, on_disk)
+                        self.log(logging.ERROR, "%s; no longer renewing its lease", line)
                         self._held = None
+                        if self.on_superseded is not None:
+                            self.on_superseded(line)
                         return
                     # The history on disk is the truth (a takeover may have added to it).
-                    renewed = replace(on_disk, heartbeat=time.time())
+                    renewed = replace(on_disk, heartbeat=time.time(), beats=on_disk.beats + 1)
                     write_lease(trial_dir, renewed)
                 self._held = (trial_dir, renewed)
             except OSError as exc:
                 self.log(logging.WARNING, "could not renew the lease of %s: %s", trial_dir, exc)
+
+    def refuse_record(self, trial_id: str) -> str | None:
+        """Fencing, under NePS's trial lock as NePS records ``trial_id``'s result: why this
+        leader may not record it (another attempt took the trial over), or None. Only the
+        current attempt's owner records; a trial this leader never leased is not ours
+        to judge."""
+        mine = self._mine.get(trial_id)
+        if mine is None:
+            return None
+        trial_dir, attempt = mine
+        with lease_lock(trial_dir):
+            on_disk = read_lease(trial_dir)
+        if on_disk is None or (on_disk.owner == self.me and on_disk.attempt in (0, attempt)):
+            return None
+        return superseded(trial_id, attempt, on_disk)
 
     def _say_silent(self, trial_dir: Path, lease: Lease) -> None:
         """Record in the lease which rank went silent (``neps-bcast status`` shows it);
@@ -323,3 +343,15 @@ def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:
     except OSError as exc:
         logger.log(logging.WARNING, "could not look into %s: %s", trial_dir, exc)
     return None
+
+
+def superseded(trial_id: str, attempt: int, on_disk: Lease | None) -> str:
+    """The one line a leader whose attempt was taken over logs."""
+    if on_disk is not None and on_disk.owner is not None:
+        by = f"attempt {on_disk.attempt or len(on_disk.attempts) + 1} on {on_disk.owner.describe()}"
+    else:
+        by = "a leader's look for orphans, which put it back to pending"
+    return (
+        f"trial {trial_id}: this leader's attempt {attempt} was superseded by {by} (this"
+        " host was silent past NEPS_BCAST_LEASE_GRACE_S): its result is dropped"
+    )
