@@ -716,6 +716,18 @@ GUARANTEES: dict[str, tuple[str, ...]] = {
         "tests/e2e/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_the_killed_trial_went_back_to_pending_and_ran_again",
         "tests/e2e/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_no_other_trial_was_affected",
     ),
+    "A silent rank (frozen, hung, its node lost or cut off: nothing closes) is treated as lost within `NEPS_BCAST_PEER_TIMEOUT_S` (30 s) and a few seconds: every surviving rank ends, naming it, its host, its step and how long it was silent, and the trial goes back to `pending`; a busy rank is never taken for silent.": (
+        "tests/test_liveness.py::test_a_follower_finds_its_frozen_leader_silent_within_the_bound",
+        "tests/test_liveness.py::test_the_leader_finds_a_follower_whose_beats_stopped_silent_and_names_its_step",
+        "tests/test_liveness.py::test_a_main_thread_that_holds_the_gil_for_half_the_bound_is_never_silent",
+        "tests/e2e/test_e2e_silent.py::TestTorchrunAFrozenFollowerIsKilledAndItsTrialPutBack::test_the_leader_exited_1_with_follower_lost_naming_the_silence",
+        "tests/e2e/test_e2e_silent.py::TestTorchrunAFrozenLeaderIsKilledByItsFollower::test_the_survivor_names_the_silent_rank_its_pid_host_and_step",
+        "tests/e2e/test_e2e_silent.py::TestLightningAFrozenFollowerIsKilledAndItsTrialPutBack::test_trial_1_is_a_success_and_trial_2_left_as_expected",
+        "tests/e2e/test_e2e_silent.py::TestBusyRanksAreNeverTakenForSilent::test_no_log_says_a_rank_was_silent",
+        "tests/e2e/test_e2e_silent.py::TestASearchUnderLoadIsNeverTakenForSilent::test_no_log_says_a_rank_was_silent",
+        "tests/hosts/test_hosts.py::TestTheFollowersHostCutOffMidTraining::test_every_rank_on_a_reachable_host_logs_an_error_naming_the_silent_rank",
+        "tests/hosts/test_hosts.py::TestTheLeadersHostCutOffMidTraining::test_the_interrupted_trial_went_back_to_pending",
+    ),
     "Nothing outside the job can make a rank run code: every value a rank acts on is HMAC-authenticated ([docs/security.md](docs/security.md)).": (
         "tests/e2e/test_e2e_attacker.py::TestTorchrunWithoutASecret::test_a_rank_refused_what_it_wrote_naming_the_key",
         "tests/e2e/test_e2e_attacker.py::TestLightningWithTheSameSecret::test_no_pickle_of_the_outsider_ran[full attack]",
