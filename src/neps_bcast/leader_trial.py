@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -182,7 +183,51 @@ def _hand_and_evaluate(
                 " pending, and running the same command again evaluates it.",
             )
         )
+    timed_out = _timed_out(outcome.failures)
+    if timed_out and leases is not None:
+        # A collective or the launcher's store timed out: a peer stopped answering (it is
+        # silent, or the network is), which is the infrastructure's fault, not the config's.
+        raise FollowerLostError(
+            format_message(
+                rt.tag,
+                "; ".join(
+                    f"rank {r.group_rank} timed out waiting for its peers ({r.type_name}:"
+                    f" {first_line_of(r.message)})"
+                    for r in timed_out
+                )
+                + f" in trial {info.trial_id}: an infrastructure fault, not the trial's own.",
+                "the trial goes back to pending (retried up to NEPS_BCAST_MAX_RETRIES); if"
+                " your collectives legitimately take longer, raise the group's timeout"
+                " (init_process_group(timeout=...))."
+                if not run_trial
+                else "the trial goes back to pending and runs again on fresh ranks.",
+            )
+        )
     return outcome
+
+
+_TIMEOUT = re.compile(
+    r"gloo/transport/.*Timed out waiting|Watchdog caught collective operation timeout"
+    r"|Socket Timeout|wait timeout after"
+)
+"""What torch's gloo and NCCL collectives and its stores say when they time out."""
+
+
+def _timed_out(failures: list[ErrorRecord]) -> list[ErrorRecord]:
+    """Root causes that are a collective's or a store's timeout (torch's own texts)."""
+    return [
+        r
+        for r in failures
+        if not r.secondary
+        and (
+            _TIMEOUT.search(r.message) is not None
+            or (r.type_name.startswith("Dist") and "timeout" in r.message.lower())
+        )
+    ]
+
+
+def first_line_of(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
 
 
 def _terminated_followers(failures: list[ErrorRecord]) -> list[ErrorRecord]:

@@ -68,12 +68,10 @@ it froze. Far above the bound plus a loaded machine's delays, far below every ot
 that could end the launch instead (torch's store reads, gloo's 30 min, the kernel's
 ~15 min, the launch's deadline)."""
 TRIALS = 4
-STEP = re.compile(
-    r"evaluating trial 2 \(#2\)|evaluating trial #2|in a meeting of the ranks of trial #2"
-)
+STEP = re.compile(r"evaluating trial 2 \(#2\)|in a meeting of the ranks of trial 2 \(#2\)")
 """Trial 2 as a rank's beats name what it does: ``evaluating trial 2 (#2)`` from its
-start, ``in a meeting of the ranks of trial #2`` while they meet at its start, then
-``evaluating trial #2``. A survivor names the last step it heard, up to one beat
+start, ``in a meeting of the ranks of trial 2 (#2)`` while they meet at its start, then
+``evaluating trial 2 (#2)`` again. A survivor names the last step it heard, up to one beat
 before the freeze: a leader frozen ~50 ms after the meeting (its first training step
 under Lightning) is named in the meeting (measured)."""
 HOST = socket.gethostname()
@@ -435,3 +433,34 @@ class TestASearchUnderLoadIsNeverTakenForSilent(NoFalseAlarmChecks):
                 f" the launch took {loaded.launch.seconds:.1f} s"
             )
         assert (loaded.burning_at_start, loaded.burning_at_end) == (BURNERS, BURNERS)
+
+
+class TestACollectiveThatTimesOutPutsTheTrialBack(RerunChecks):
+    """A peer that stops answering for longer than the user's group timeout (here the
+    follower sleeps 8 s in a training step of trial 2, under a 3 s
+    ``new_group(timeout=3)``): the leader's collective times out, which is the
+    infrastructure's fault, not the config's. The trial goes back to ``pending``
+    (``FollowerLostError``, exit 1) instead of being recorded crashed, and the same
+    command again evaluates it and finishes the budget."""
+
+    COMMAND: ClassVar[list[str]] = torchrun(2, TORCH_DDP, "--trials", 3, "--subgroup-timeout", 3)
+
+    @pytest.fixture(scope="class")
+    def rerun(self, tmp_path_factory: pytest.TempPathFactory) -> Rerun:
+        tmp = tmp_path_factory.mktemp(type(self).__name__)
+        fault = "sleep:follower:trial=2:at=fit:s=8"
+        first = run(self.COMMAND, tmp, name="first", fault=fault)
+        return Rerun(first, states(first.root), run(self.COMMAND, tmp, name="again"))
+
+    def test_the_timed_out_trial_went_back_to_pending(self, rerun: Rerun) -> None:
+        assert rerun.after_first == {"1": "success", "2": "pending"}, rerun.first.tail()
+
+    def test_the_leader_named_the_timeout_an_infrastructure_fault(self, rerun: Rerun) -> None:
+        leader = rerun.first.exits[0]
+        said = "rank 0 timed out waiting for its peers"
+        logs = [text for name, text in rerun.first.rank_logs.items() if name.startswith("rank0.")]
+        assert leader["code"] in (1, 143), rerun.first.tail()
+        assert any(said in text for text in logs), rerun.first.tail()
+
+    def test_the_rerun_finished_the_budget_every_trial_a_success(self, rerun: Rerun) -> None:
+        assert set(states(rerun.again.root).values()) == {"success"}
