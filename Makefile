@@ -49,7 +49,7 @@ test-e2e: install
 # Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
 # cell and its rerun, a chain of cells per worker. Three workers on two cores: a chain
 # mostly waits (for a fault to be seen, a launch to end), at two the load stayed 1.2-1.6.
-# Launches: one per cell (186, 24 of them a frozen rank, + the pool's) and each chain's last run.
+# Launches: one per cell (182, 20 of them a frozen rank, + the pool's) and each chain's last run.
 SWEEP_XDIST ?= 3
 FAULT_LAUNCHES ?= 215
 test-faults: install

@@ -566,14 +566,16 @@ ranks, the steps where a second follower is in a collective with the one the fau
 names: the user's training step, the trial-end exchange, STOP and the goodbye."""
 
 FROZEN_AT = {
-    "torchrun": ("handed", "form", "fit", "exchange", "sample", "stop"),
-    "lightning": ("handed", "form", "fit", "exchange", "sample", "stop"),
+    "torchrun": ("handed", "form", "exchange", "sample", "stop"),
+    "lightning": ("handed", "form", "exchange", "sample", "stop"),
     "torchrun3": (),
 }
 """The steps where a rank is frozen: every step where a rank can wait on another
 (waiting for the next trial while NePS samples, the hand-over, forming the group, the
-user's training collectives, the trial-end exchange, STOP), under both launchers. A
-frozen rank's cell costs its kill cell plus the bound (``SILENT_BOUND_S``)."""
+trial-end exchange, STOP), under both launchers. A frozen rank's cell costs its kill
+cell plus the bound (``SILENT_BOUND_S``). Inside the user's training collectives
+(``fit``) the same four cells, each with its rerun, are tests/e2e/test_e2e_silent.py's,
+which check more (the step, the seconds and the host named): not run twice."""
 
 CELLS = [
     (launcher, p, f)
