@@ -153,3 +153,17 @@ def test_each_renewal_counts_a_beat_and_the_lease_names_its_attempt(
 def test_a_lease_an_older_neps_bcast_wrote_still_reads(tmp_path: Path) -> None:
     old = '{"trial_id": "7", "owner": null, "started": 1.0, "heartbeat": 2.0}'
     assert Lease.from_json(old) == Lease("7", None, 1.0, 2.0)
+
+
+def test_status_shows_a_leaders_clock_that_is_off_the_filesystems(tmp_path: Path) -> None:
+    """Leases never compare two hosts' clocks; status shows one that is off: the
+    heartbeat a leader wrote by its clock against the lease file's mtime."""
+    from neps_bcast.launcher.search_status import TrialStatus, _clock_offset
+    from neps_bcast.launcher.search_text import _heartbeat
+
+    write_lease(tmp_path, remote_lease(heartbeat=time.time() + 600))
+    offset = _clock_offset(tmp_path, remote_lease(heartbeat=time.time() + 600))
+    assert offset is not None
+    assert 590 < offset < 610
+    shown = _heartbeat(TrialStatus("7", "evaluating", 1, heartbeat_age_s=2.0, clock_offset_s=600))
+    assert shown == "2s ago (its clock +600 s off the filesystem's)"

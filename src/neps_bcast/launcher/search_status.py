@@ -32,7 +32,7 @@ from neps_bcast.compat import neps_files
 from neps_bcast.config import Settings
 from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.launcher import trial_placement
-from neps_bcast.lease_record import Lease, Owner, parse_lease, why_dead
+from neps_bcast.lease_record import LEASE_FILE, Lease, Owner, parse_lease, why_dead
 
 TAG = "neps_bcast status"
 DEFAULT_ROOT = "neps_results"
@@ -86,6 +86,11 @@ class TrialStatus:
     silent: str | None = None
     """A running trial whose leader found a rank of its group silent (frozen, hung, its
     node lost or cut off): suspect, its lease no longer renewed."""
+    clock_offset_s: float | None = None
+    """A running trial: its leader's wall clock against the shared filesystem's (the
+    lease's heartbeat, written by the leader's clock, against its file's mtime, stamped
+    by the filesystem's). Leases never compare two hosts' clocks; this only shows one
+    that is off."""
     elapsed_s: float | None = None
     objective: float | list[float] | None = None
     cost: float | None = None
@@ -234,6 +239,8 @@ def _read_status(
             if placement is not None and files.state == "evaluating":
                 placements.append(placement)
         trial = _trial_status(files, lease, placement, me, now, settings.lease_grace_s)
+        if lease is not None and lease.owner is not None and files.state == "evaluating":
+            trial = replace(trial, clock_offset_s=_clock_offset(directory, lease))
         if history:
             trial = replace(trial, attempts=attempt_spans(files, lease, placement, trial))
         trials.append(trial)
@@ -399,3 +406,11 @@ def _devices(
             trial_id, gpu = on.get(device, (None, None))
             found.append(DeviceStatus(host, launch_id, device, gpu, trial_id))
     return found
+
+
+def _clock_offset(directory: Path, lease: Lease) -> float | None:
+    """The lease writer's clock minus the filesystem's, from one renewal."""
+    try:
+        return lease.heartbeat - (directory / LEASE_FILE).stat().st_mtime
+    except OSError:
+        return None

@@ -46,7 +46,13 @@ def _heartbeat(t: TrialStatus) -> str:
         return f"SUSPECT: {t.silent}"
     if t.heartbeat_age_s is None:
         return "no lease yet"
-    return f"{_age(t.heartbeat_age_s)} ago"
+    off = t.clock_offset_s
+    skew = (
+        f" (its clock {off:+.0f} s off the filesystem's)"
+        if off is not None and abs(off) > 5
+        else ""
+    )
+    return f"{_age(t.heartbeat_age_s)} ago{skew}"
 
 
 def render(status: SearchStatus) -> str:
