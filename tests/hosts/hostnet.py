@@ -35,8 +35,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import launches
 from exits import ExitWatch
@@ -217,6 +219,12 @@ def kill_marked(name: str, value: str) -> list[str]:
     return killed
 
 
+def signal_marked(name: str, value: str, sig: signal.Signals) -> list[int]:
+    """Send ``sig`` to every process whose environment has ``name=value`` (SIGSTOP: a
+    whole host frozen; SIGCONT: it resumes); the pids it was sent to."""
+    return [pid for pid in procfs.pids_with_env(name, value) if procfs.kill(pid, sig)]
+
+
 class OnHost(Running):
     """One launch on one host: ``cmd`` runs inside the host's namespaces, its records and
     logs go to ``folder`` (on the shared filesystem) like any launch's. It is counted as
@@ -232,8 +240,11 @@ class OnHost(Running):
         cwd: Path,
         folder: Path,
         timeout: float,
+        under: Sequence[str] = (),
+        clock_shift_s: float = 0.0,
     ) -> None:
         self.host = host
+        self.clock_shift_s = clock_shift_s
         self.name = name
         self.marker = env[MARKER]
         self.folder = folder
@@ -246,7 +257,7 @@ class OnHost(Running):
         launches.count(kind_of(cmd))
         self.watch = ExitWatch.get()  # listening before the first process of the launch
         self.proc = subprocess.Popen(
-            host.wrap(cmd),
+            host.wrap([*under, *cmd]),
             cwd=cwd,
             env=env,
             stdout=self._log,
@@ -255,6 +266,15 @@ class OnHost(Running):
             start_new_session=True,
             preexec_fn=default_sigint,  # noqa: PLW1509 - launches start from one thread
         )
+
+    def events(self) -> list[dict[str, Any]]:
+        """The launch's records, their times on this machine's clock: a host whose wall
+        clock is shifted (``clock_shift_s``) stamps them shifted, and the exit watch's
+        times, to which the harness compares them, are this machine's."""
+        events = super().events()
+        for e in events:
+            e["t"] -= self.clock_shift_s
+        return events
 
 
 def start_on(
@@ -266,9 +286,14 @@ def start_on(
     env: dict[str, str],
     timeout: float,
     fault: str = "",
+    under: Sequence[str] = (),
+    clock_shift_s: float = 0.0,
 ) -> OnHost:
     """Start ``cmd`` on ``host`` as ``harness.start`` starts a launch: its own marker,
-    records and logs under ``tmp/name``, the cwd ``tmp/<host>`` (the node's own folder)."""
+    records and logs under ``tmp/name``, the cwd ``tmp/<host>`` (the node's own folder).
+    ``under``: a command that runs ``cmd`` on the host (``faketime -f +600s``: the host's
+    wall clock shifted by ``clock_shift_s``: its records' times are shifted back); the
+    launch is still counted as ``cmd``'s launcher."""
     folder = tmp / name
     folder.mkdir(parents=True)
     cwd = tmp / host.name
@@ -280,4 +305,14 @@ def start_on(
         NB_LOG_DIR=str(folder / "logs"),
     )
     full_env[MARKER] = uuid.uuid4().hex
-    return OnHost(host, name, cmd, env=full_env, cwd=cwd, folder=folder, timeout=timeout)
+    return OnHost(
+        host,
+        name,
+        cmd,
+        env=full_env,
+        cwd=cwd,
+        folder=folder,
+        timeout=timeout,
+        under=under,
+        clock_shift_s=clock_shift_s,
+    )

@@ -7,13 +7,17 @@ group neps_bcast forms at ``session()`` (the script forms none).
 
 ``--destroy-group``: the function ends with ``dist.destroy_process_group()``, as PyTorch's
 DDP tutorial does; ``--subgroup-timeout S``: each trial trains on a
-``dist.new_group(timeout=S)`` of its own. Test hooks as in lightning_search.py.
+``dist.new_group(timeout=S)`` of its own; ``--tag-host``: the result also names the host
+that produced it (its ``info_dict``, which NePS keeps as the report's ``extra``), so a
+test of several hosts on one root can tell whose evaluation NePS recorded. Test hooks as
+in lightning_search.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from datetime import timedelta
 
 import faults
@@ -58,7 +62,7 @@ def train(lr: float) -> float:
 
 
 @probe.evaluation
-def evaluate_pipeline(lr: float, hidden: int, activation: str) -> float:
+def evaluate_pipeline(lr: float, hidden: int, activation: str) -> float | dict[str, object]:
     faults.at("before")
     with neps_bcast.session() as trial:
         probe.trial(trial)
@@ -69,6 +73,8 @@ def evaluate_pipeline(lr: float, hidden: int, activation: str) -> float:
         faults.at("after")
         if ARGS.destroy_group and dist.is_initialized():
             dist.destroy_process_group()
+    if ARGS.tag_host:
+        return {"objective_to_minimize": loss, "info_dict": {"host": socket.gethostname()}}
     return loss
 
 
@@ -79,6 +85,7 @@ def main() -> None:
     parser.add_argument("--ignore-errors", action="store_true")
     parser.add_argument("--destroy-group", action="store_true")
     parser.add_argument("--subgroup-timeout", type=float)
+    parser.add_argument("--tag-host", action="store_true", help="the result names its host")
     parser.add_argument("--tracker", type=int, help="the tracker's port on 127.0.0.1")
     parser.add_argument("--tracker-from", default="before_run")
     parser.parse_args(namespace=ARGS)

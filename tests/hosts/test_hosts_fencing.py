@@ -1,0 +1,457 @@
+"""Two NePS workers on one root, each a 2-rank torchrun group on a host of its own
+(network namespaces with their own hostname, tests/hosts/hostnet.py; a folder under
+``tmp_path`` is the shared filesystem), with short leases: what a lease must do when
+the hosts' clocks disagree, when a host dies, and when a frozen host comes back.
+
+Each class is one cell: one launch per host, both started together, running the
+user-shaped plain-DDP script with ``--tag-host`` (NePS's record of each trial names the
+host whose evaluation it kept, in the report's ``extra``). Host h1 (A) stops its leader
+at a marker in its first trial (the ``hold`` fault: its "fault" record says the rank is
+there), and the cell's fault lands then, not after a sleep:
+
+- clock ahead: h2 (B) runs under libfaketime 10 min ahead, nothing else happens;
+  no live trial of A's is taken over (B's own clock calls A's leases 600 s old);
+- clock behind: B 10 min behind, every process of A's launch SIGKILLed at the marker:
+  B takes the trial over, having timed its lease unchanged on its own monotonic clock;
+- zombie: every process of A's launch SIGSTOPped at the marker (a whole host frozen)
+  until B has taken the trial over and NePS recorded B's rerun; then SIGCONT: A's
+  leader finds its attempt superseded and exits 1, its group with it, and NePS keeps
+  exactly one result for the trial, B's.
+
+Every leader's first training step of a trial sleeps ``TRIAL_S`` (the ``sleep`` fault):
+B's leader looks for orphans only before a trial, so its trials must span the grace
+period (and a look either side) before the budget is spent, or a dead trial would be
+left evaluating whatever the leases said. Bounds nest: ``GRACE_S`` < ``TAKEN_S`` (a hang
+detector, from the fault) < ``DEADLINE_S`` (a launch's) < pytest's timeout.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import timings
+from hostnet import Host, Network, OnHost, kill_marked, signal_marked, start_on
+
+from harness import (
+    MARKER,
+    TORCH_DDP,
+    TORCHRUN,
+    Result,
+    assert_every_exit_was_heard_as_recorded,
+    assert_every_process_exited_0,
+    assert_nothing_left,
+    neps_trials,
+    states,
+)
+from neps_bcast.lease_record import Lease, parse_lease
+
+GRACE_S = 6.0
+"""``NEPS_BCAST_LEASE_GRACE_S`` in every cell (the library's default is 300 s)."""
+HEARTBEAT_S = 1.5
+"""``NEPS_BCAST_HEARTBEAT_S`` (below a third of the grace, as the library requires)."""
+TRIAL_S = 3.0
+"""How long every leader's first training step of a trial sleeps: a trial that takes
+time, so that B's looks for orphans (one before each of its trials) span the grace."""
+TRIALS = 6
+"""The budget: A's held trial and B's five; B's fourth look is past the grace
+(``TRIAL_S`` x 3 > ``GRACE_S`` + a look), its fifth is the margin."""
+SHIFT_S = 600
+"""How far B's wall clock is shifted (libfaketime), far beyond the grace."""
+TAKEN_S = GRACE_S + HEARTBEAT_S + 2 * TRIAL_S + 30.0
+"""A hang detector: B has taken A's trial over this long after the fault (the bound is
+the grace, plus a look's interval either side: a heartbeat or one of B's trials; the
+30 s are a loaded machine's slack)."""
+DEADLINE_S = 180.0
+"""One launch's deadline (harness: every process killed past it)."""
+CELL = "NB_FENCING_CELL"
+"""Every process of a cell, on both hosts, carries this marker."""
+ORPHANED = re.compile(r"orphaned trial (\S+) \((.*)\): ")
+SUPERSEDED = "superseded"
+
+
+@dataclass
+class Pair:
+    """One search on one root by two workers: a 2-rank torchrun group on each host."""
+
+    net: Network
+    tmp: Path
+    cell: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def root(self) -> Path:
+        return self.tmp / "shared" / "results"
+
+    def command(self, host: Host) -> list[str]:
+        return [
+            TORCHRUN,
+            "--standalone",
+            "--nproc-per-node=2",
+            # torch cannot resolve the hostname; the group is this host's: loopback
+            "--local-addr=127.0.0.1",
+            "--max-restarts=0",
+            str(TORCH_DDP),
+            "--trials", str(TRIALS),
+            "--root", str(self.root),
+            "--tag-host",
+        ]  # fmt: skip
+
+    def env(self, host: Host) -> dict[str, str]:
+        return {
+            # One host's group: loopback (gloo would resolve the hostname otherwise).
+            "GLOO_SOCKET_IFNAME": "lo",
+            "NEPS_BCAST_LEASE_GRACE_S": f"{GRACE_S:g}",
+            "NEPS_BCAST_HEARTBEAT_S": f"{HEARTBEAT_S:g}",
+            CELL: self.cell,
+        }
+
+    def start(self, host: str, fault: str, shift_s: int = 0) -> OnHost:
+        """``host``'s launch; ``shift_s``: its wall clock shifted (libfaketime; its
+        monotonic clock keeps its pace: FAKETIME_DONT_FAKE_MONOTONIC would make
+        time.sleep fail in libfaketime 0.9.10)."""
+        h = self.net.host(host)
+        return start_on(
+            h,
+            self.command(h),
+            self.tmp,
+            name=f"run-{host}",
+            env=self.env(h),
+            timeout=DEADLINE_S,
+            fault=f"sleep:leader:at=fit:s={TRIAL_S:g}" + (f", {fault}" if fault else ""),
+            under=["faketime", "-f", f"{shift_s:+d}s"] if shift_s else (),
+            clock_shift_s=shift_s,
+        )
+
+
+@contextmanager
+def pair(tmp: Path) -> Iterator[Pair]:
+    """Two hosts and a search on them; afterwards, whatever happened, every process of
+    the cell continued (a frozen one cannot die), killed, and every namespace removed."""
+    net = Network(2)
+    search = Pair(net, tmp)
+    try:
+        yield search
+    finally:
+        signal_marked(CELL, search.cell, signal.SIGCONT)
+        kill_marked(CELL, search.cell)
+        net.remove()
+
+
+def held(evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The "fault" record of a ``hold``: the leader is at its marker, waiting."""
+    return [e for e in evs if e["event"] == "fault" and e["kind"] == "hold"]
+
+
+def leased_by(search: Pair, run: OnHost, host: str) -> Any:
+    """The trial A's leader holds at its marker, once its lease names ``host`` on disk:
+    (trial id, trial directory)."""
+    trial = next(e for e in run.events() if e["event"] == "trial" and e["rank"] == 0)
+    trial_dir = Path(trial["pipeline_directory"])
+    lease = parse_lease(trial_dir)
+    if lease is None or lease.owner is None or lease.owner.host != host:
+        return None
+    return trial["trial_id"], trial_dir
+
+
+def orphan_lines(result: Result) -> list[tuple[str, str]]:
+    """(trial id, reason) of every "orphaned trial" line in the launch's logs."""
+    return [m.groups() for m in ORPHANED.finditer(result.log)]
+
+
+def leader_log(result: Result) -> str:
+    """Rank 0's log (the probe names each rank's log by its pid)."""
+    pid = next(e["pid"] for e in result.of("start") if e["proc_rank"] == 0)
+    return next(t for n, t in result.rank_logs.items() if n.endswith(f"pid{pid}"))
+
+
+def recorded_by(root: Path) -> dict[str, str]:
+    """trial id -> the host whose result NePS recorded ("" for none)."""
+    return {
+        tid: (t.report.extra or {}).get("host", "") if t.report else ""
+        for tid, t in neps_trials(root).items()
+    }
+
+
+def evaluated_by(results: dict[str, Result]) -> dict[str, list[str]]:
+    """trial id -> the hosts whose leader began evaluating it, in order."""
+    found: dict[str, list[tuple[float, str]]] = {}
+    for host, result in results.items():
+        for e in result.of("trial"):
+            if e["rank"] == 0:
+                found.setdefault(e["trial_id"], []).append((e["t"], host))
+    return {tid: [h for _, h in sorted(v)] for tid, v in found.items()}
+
+
+def tails(results: dict[str, Result], n: int = 40) -> str:
+    return "\n".join(f"=== {h}\n{r.tail(n)}" for h, r in results.items())
+
+
+# ------------------------------------------------------------------------ clock ahead
+
+
+@dataclass
+class Ahead:
+    runs: dict[str, Result]
+    held_trial: str
+    states: dict[str, str]
+    recorded: dict[str, str]
+    evaluated: dict[str, list[str]]
+    left: list[int]
+
+
+class TestAHostWhoseClockIsAheadTakesOverNoLiveTrial:
+    """B 10 min ahead: every lease of A's is 600 s old by B's clock, fresh by the
+    filesystem's, and renewed under B's eyes: none is taken over."""
+
+    @pytest.fixture(scope="class")
+    def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Ahead:
+        tmp = tmp_path_factory.mktemp("ahead")
+        release = tmp / "release"
+        with pair(tmp) as search:
+            a = search.start("h1", f"hold:leader:trial=1:until={release}")
+            b = search.start("h2", "", shift_s=SHIFT_S)
+            a.wait_for("A's leader at its marker in its first trial", held)
+            trial_id, _ = a.wait_for("A's lease", lambda _: leased_by(search, a, "h1"))
+            # B looks at the held trial before each of its own (a lease 600 s old by
+            # its clock); A goes on once B has said so, a live owner's trial kept.
+            b.wait_for_log(f"trial {trial_id}: no heartbeat from", timeout=DEADLINE_S)
+            release.touch()
+            runs = {"h1": a.finish(), "h2": b.finish()}
+            return Ahead(
+                runs,
+                trial_id,
+                states(search.root),
+                recorded_by(search.root),
+                evaluated_by(runs),
+                kill_marked(CELL, search.cell),
+            )
+
+    def test_b_saw_a_live_trial_of_as_as_stale_by_its_own_clock(self, cell: Ahead) -> None:
+        """The positive control: B looked at A's held trial and its clock said the
+        lease was ~600 s old (the issue's bug took it over there)."""
+        lines = [ln for ln in cell.runs["h2"].log.splitlines() if "no heartbeat from" in ln]
+        ages = [int(m.group(1)) for ln in lines if (m := re.search(r" for (\d+) s;", ln))]
+        assert ages and min(ages) >= SHIFT_S - 2 * GRACE_S, lines
+
+    def test_no_trial_was_taken_over(self, cell: Ahead) -> None:
+        orphans = {h: orphan_lines(r) for h, r in cell.runs.items()}
+        assert orphans == {"h1": [], "h2": []}, tails(cell.runs)
+
+    def test_every_trial_was_evaluated_once(self, cell: Ahead) -> None:
+        assert all(len(hosts) == 1 for hosts in cell.evaluated.values()), cell.evaluated
+
+    def test_both_hosts_evaluated_trials(self, cell: Ahead) -> None:
+        assert {h for hs in cell.evaluated.values() for h in hs} == {"h1", "h2"}, cell.evaluated
+
+    def test_every_trial_is_a_success(self, cell: Ahead) -> None:
+        assert cell.states == {str(i): "success" for i in range(1, TRIALS + 1)}, tails(cell.runs)
+
+    def test_each_trials_result_is_from_the_host_that_ran_it(self, cell: Ahead) -> None:
+        ran = {tid: hosts[-1] for tid, hosts in cell.evaluated.items()}
+        assert cell.recorded == ran
+
+    @pytest.mark.parametrize("host", ["h1", "h2"])
+    def test_the_hosts_launch_exits_with_0(self, cell: Ahead, host: str) -> None:
+        assert cell.runs[host].returncode == 0, tails(cell.runs)
+        assert_every_process_exited_0(cell.runs[host])
+        assert_every_exit_was_heard_as_recorded(cell.runs[host])
+        assert_nothing_left(cell.runs[host])
+
+    def test_nothing_of_the_cell_is_left_on_any_host(self, cell: Ahead) -> None:
+        assert cell.left == []
+
+
+# ------------------------------------------------------------------------ dead host
+
+
+@dataclass
+class Takeover:
+    runs: dict[str, Result]
+    trial_id: str
+    fault_at: float
+    taken_after: float | None
+    """Seconds from the fault to B's "orphaned trial" line (None: not within TAKEN_S)."""
+    states: dict[str, str]
+    recorded: dict[str, str]
+    lease: Lease | None
+    left: list[int]
+    resumed_after: float | None = None
+    """Zombie: seconds from the takeover's record to SIGCONT."""
+    exited_after: float | None = None
+    """Zombie: seconds from SIGCONT to A's leader's exit."""
+
+
+def taken_over(b: OnHost, trial_id: str, since: float) -> float | None:
+    """Seconds from ``since`` to B's line that took ``trial_id`` over (bounded)."""
+    text = f"orphaned trial {trial_id} ("
+    try:
+        b.wait_for_log(text, timeout=max(since + TAKEN_S - time.time(), 0.1))
+    except AssertionError:
+        return None
+    return time.time() - since
+
+
+class TakeoverChecks:
+    """A's trial taken over by B: what NePS, the lease and B's launch must show."""
+
+    def test_b_took_the_trial_over_within_the_bound(self, cell: Takeover) -> None:
+        assert cell.taken_after is not None, tails(cell.runs)
+
+    def test_b_timed_the_lease_unchanged_on_its_own_clock(self, cell: Takeover) -> None:
+        """Why B called A gone: its lease unchanged for the grace as timed on B's
+        monotonic clock (B's wall clock alone would never, or at once)."""
+        reasons = [r for tid, r in orphan_lines(cell.runs["h2"]) if tid == cell.trial_id]
+        assert len(reasons) == 1 and "timed on this host" in reasons[0], reasons
+
+    def test_every_trial_is_a_success(self, cell: Takeover) -> None:
+        assert cell.states == {str(i): "success" for i in range(1, TRIALS + 1)}, tails(cell.runs)
+
+    def test_the_trials_result_is_bs(self, cell: Takeover) -> None:
+        assert cell.recorded.get(cell.trial_id) == "h2", cell.recorded
+
+    def test_the_leases_history_lists_as_interrupted_attempt(self, cell: Takeover) -> None:
+        lease = cell.lease
+        assert lease is not None and lease.owner is not None
+        assert [a.owner.host for a in lease.attempts] == ["h1"], lease
+        assert (lease.owner.host, lease.attempt) == ("h2", 2), lease
+
+    def test_bs_launch_exits_with_0(self, cell: Takeover) -> None:
+        assert cell.runs["h2"].returncode == 0, tails(cell.runs)
+        assert_every_process_exited_0(cell.runs["h2"])
+        assert_every_exit_was_heard_as_recorded(cell.runs["h2"])
+
+    @pytest.mark.parametrize("host", ["h1", "h2"])
+    def test_no_process_of_the_hosts_launch_is_left(self, cell: Takeover, host: str) -> None:
+        assert_nothing_left(cell.runs[host])
+
+    def test_nothing_of_the_cell_is_left_on_any_host(self, cell: Takeover) -> None:
+        assert cell.left == []
+
+
+class TestAHostWhoseClockIsBehindTakesOverADeadHostsTrial(TakeoverChecks):
+    """B 10 min behind; every process of A's launch SIGKILLed at its marker in its
+    first trial: by B's clock A's lease is from the future, yet B takes it over."""
+
+    @pytest.fixture(scope="class")
+    def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
+        tmp = tmp_path_factory.mktemp("behind")
+        with pair(tmp) as search:
+            a = search.start("h1", f"hold:leader:trial=1:until={tmp / 'never'}")
+            b = search.start("h2", "", shift_s=-SHIFT_S)
+            a.wait_for("A's leader at its marker in its first trial", held)
+            trial_id, trial_dir = a.wait_for("A's lease", lambda _: leased_by(search, a, "h1"))
+            killed = kill_marked(MARKER, a.marker)
+            fault_at = time.time()
+            assert killed, "nothing of A's launch was killed"
+            taken_after = taken_over(b, trial_id, fault_at)
+            runs = {"h1": a.finish(), "h2": b.finish()}
+            timings.LINES.append(
+                f"fencing, B's clock behind: A killed; B took trial {trial_id} over"
+                f" {taken_after if taken_after is None else round(taken_after, 1)} s later"
+            )
+            return Takeover(
+                runs,
+                trial_id,
+                fault_at,
+                taken_after,
+                states(search.root),
+                recorded_by(search.root),
+                parse_lease(trial_dir),
+                kill_marked(CELL, search.cell),
+            )
+
+    def test_as_launch_was_killed(self, cell: Takeover) -> None:
+        """The fault landed: A's torchrun ended by SIGKILL (a negative status)."""
+        assert cell.runs["h1"].returncode == -signal.SIGKILL, tails(cell.runs)
+
+
+class TestAFrozenHostThatComesBackIsFencedOff(TakeoverChecks):
+    """Every process of A's launch SIGSTOPped at its marker in its first trial until B
+    has taken the trial over and NePS recorded B's rerun, then SIGCONT."""
+
+    @pytest.fixture(scope="class")
+    def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
+        tmp = tmp_path_factory.mktemp("zombie")
+        release = tmp / "release"
+        with pair(tmp) as search:
+            a = search.start("h1", f"hold:leader:trial=1:until={release}")
+            b = search.start("h2", "")
+            a.wait_for("A's leader at its marker in its first trial", held)
+            trial_id, trial_dir = a.wait_for("A's lease", lambda _: leased_by(search, a, "h1"))
+            frozen = signal_marked(MARKER, a.marker, signal.SIGSTOP)
+            fault_at = time.time()
+            assert frozen, "nothing of A's launch was frozen"
+            release.touch()  # once resumed, A's leader goes on into its training
+            taken_after = taken_over(b, trial_id, fault_at)
+            b.wait_for(
+                "NePS's record of B's rerun",
+                lambda _: states(search.root).get(trial_id) == "success",
+                timeout=DEADLINE_S,
+            )
+            recorded_at = time.time()
+            signal_marked(MARKER, a.marker, signal.SIGCONT)
+            resumed_at = time.time()
+            runs = {"h1": a.finish(), "h2": b.finish()}
+            leader = next(e for e in runs["h1"].of("start") if e["proc_rank"] == 0)
+            heard = runs["h1"].os_exits.get(leader["pid"])
+            exit_t = a.watch.wait(leader["pid"], since=fault_at, timeout=1.0)
+            exited_after = None if exit_t is None else exit_t.t - resumed_at
+            timings.LINES.append(
+                f"fencing, zombie: A frozen; B took trial {trial_id} over"
+                f" {taken_after if taken_after is None else round(taken_after, 1)} s later,"
+                f" recorded it {recorded_at - fault_at:.1f} s after the freeze; A resumed,"
+                f" its leader exited (status {heard})"
+                f" {exited_after if exited_after is None else round(exited_after, 1)} s later"
+            )
+            return Takeover(
+                runs,
+                trial_id,
+                fault_at,
+                taken_after,
+                states(search.root),
+                recorded_by(search.root),
+                parse_lease(trial_dir),
+                kill_marked(CELL, search.cell),
+                resumed_at - recorded_at,
+                exited_after,
+            )
+
+    def test_as_leader_logs_that_its_attempt_was_superseded_by_bs(self, cell: Takeover) -> None:
+        log = leader_log(cell.runs["h1"])
+        line = f"trial {cell.trial_id}: this leader's attempt 1 was superseded by attempt 2 on"
+        found = [ln for ln in log.splitlines() if line in ln]
+        assert found and " on h2 " in found[0], log[-3000:]
+
+    def test_as_leader_stops_because_of_it(self, cell: Takeover) -> None:
+        """Why it ended: the superseded line, then its exit, not a timeout."""
+        log = leader_log(cell.runs["h1"])
+        assert "superseded" in log and "this worker stops now (exit code 1)" in log, log[-3000:]
+        assert cell.runs["h1"].waits_that_timed_out() == []
+
+    def test_as_leader_exits_with_1(self, cell: Takeover) -> None:
+        leader = next(e for e in cell.runs["h1"].of("start") if e["proc_rank"] == 0)
+        assert cell.runs["h1"].os_exits[leader["pid"]] == 1, tails(cell.runs)
+
+    def test_as_follower_ends_too(self, cell: Takeover) -> None:
+        """Ended on its own (its leader watch, or torchrun's), never left for the harness."""
+        follower = next(e for e in cell.runs["h1"].of("start") if e["proc_rank"] == 1)
+        status = cell.runs["h1"].os_exits[follower["pid"]]
+        assert status is not None and status != 0, tails(cell.runs)
+        assert cell.runs["h1"].left_alive == []
+
+    def test_as_torchrun_exits_with_an_error(self, cell: Takeover) -> None:
+        assert cell.runs["h1"].returncode == 1, tails(cell.runs)
+
+    def test_a_recorded_no_result_after_it_resumed(self, cell: Takeover) -> None:
+        """Exactly one result for the trial: no record of A's evaluation ending it."""
+        trained = [e for e in cell.runs["h1"].of("trained") if e["t"] > cell.fault_at]
+        refused = "not recorded" in leader_log(cell.runs["h1"])
+        assert trained == [] or refused, (trained, tails(cell.runs))
