@@ -178,7 +178,9 @@ ROWS = (
     Row(
         "follower_silent",
         "a follower is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, hung on a"
-        " mount or a driver call, its node lost or cut off (no FIN, no RST)",
+        " mount or a driver call, its node lost or cut off (no FIN, no RST); tested by the"
+        " `freeze_follower` cells, `tests/e2e/test_e2e_silent.py` and the cut-off cells"
+        " of `tests/hosts/test_hosts.py`",
         "`pending`; the leader samples nothing for its broken group",
         "the next leader (2)",
         "leader 1 (`FollowerLostError: rank 1 (pid N on host H) silent for 31 s while"
@@ -187,7 +189,9 @@ ROWS = (
     Row(
         "leader_silent",
         "the leader is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, hung, its"
-        " node lost or cut off",
+        " node lost or cut off; tested by the `freeze_leader` cells,"
+        " `tests/e2e/test_e2e_silent.py` and `tests/hosts/test_hosts.py`'s leader's host"
+        " cut off",
         "on this host: as a killed leader (SIGKILLed by a follower); elsewhere: the leader"
         " finds its followers silent and puts the trial back to `pending` itself where it"
         " still reaches the root, else as a lost node",
@@ -197,7 +201,8 @@ ROWS = (
     ),
     Row(
         "node_lost",
-        "the leader's node is lost (power, network, a container on another node)",
+        "the leader's node is lost (power, network, a container on another node); tested"
+        " by `tests/hosts/test_hosts.py` (a host cut off) and `tests/test_fencing.py`",
         "`evaluating` until its heartbeat is older than `NEPS_BCAST_LEASE_GRACE_S`, then `pending`",
         "a leader on another host or container, at its start or after its trial",
         "-",
