@@ -1,6 +1,6 @@
-"""Two NePS workers on one root, each a 2-rank torchrun group on a host of its own
-(network namespaces with their own hostname, tests/hosts/hostnet.py; a folder under
-``tmp_path`` is the shared filesystem), with short leases: what a lease must do when
+"""Two NePS workers on one root, each a ``torchrun --standalone`` group on a host of its
+own (network namespaces with their own hostname, tests/hosts/hostnet.py; a folder under
+``tmp_path`` is the shared filesystem; 2 ranks a host), with short leases: what a lease must do when
 the hosts' clocks disagree, when a host dies, and when a frozen host comes back.
 
 Each class is one cell: one launch per host, both started together, running the
@@ -62,8 +62,13 @@ TRIAL_S = 3.0
 """How long every leader's first training step of a trial sleeps: a trial that takes
 time, so that B's looks for orphans (one before each of its trials) span the grace."""
 TRIALS = 6
-"""The budget: A's held trial and B's five; B's fourth look is past the grace
-(``TRIAL_S`` x 3 > ``GRACE_S`` + a look), its fifth is the margin."""
+"""The clock-ahead cell's budget: A's held trial, B's looks at it, a few more."""
+TAKEOVER_TRIALS = 8
+"""The budget where B must take A's trial over: A's trial counts towards it while it is
+evaluating, so B runs at most 7 of its own, looking before each: the look that first
+sees A's last lease, then the grace (more than 2 of B's trials: ``TRIAL_S`` x 2 =
+``GRACE_S``), then the look that takes it over; the rest is the margin for an A that
+reached its marker late."""
 SHIFT_S = 600
 """How far B's wall clock is shifted (libfaketime), far beyond the grace."""
 TAKEN_S = GRACE_S + HEARTBEAT_S + 2 * TRIAL_S + 30.0
@@ -84,6 +89,8 @@ class Pair:
 
     net: Network
     tmp: Path
+    trials: int
+    """The search's budget (``--trials``)."""
     cell: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -94,12 +101,12 @@ class Pair:
         return [
             TORCHRUN,
             "--standalone",
-            "--nproc-per-node=2",
+            "--nproc-per-node=2",  # one rank makes no group: a trial's DDP needs two
             # torch cannot resolve the hostname; the group is this host's: loopback
             "--local-addr=127.0.0.1",
             "--max-restarts=0",
             str(TORCH_DDP),
-            "--trials", str(TRIALS),
+            "--trials", str(self.trials),
             "--root", str(self.root),
             "--tag-host",
         ]  # fmt: skip
@@ -132,11 +139,11 @@ class Pair:
 
 
 @contextmanager
-def pair(tmp: Path) -> Iterator[Pair]:
+def pair(tmp: Path, trials: int) -> Iterator[Pair]:
     """Two hosts and a search on them; afterwards, whatever happened, every process of
     the cell continued (a frozen one cannot die), killed, and every namespace removed."""
     net = Network(2)
-    search = Pair(net, tmp)
+    search = Pair(net, tmp, trials)
     try:
         yield search
     finally:
@@ -215,7 +222,7 @@ class TestAHostWhoseClockIsAheadTakesOverNoLiveTrial:
     def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Ahead:
         tmp = tmp_path_factory.mktemp("ahead")
         release = tmp / "release"
-        with pair(tmp) as search:
+        with pair(tmp, TRIALS) as search:
             a = search.start("h1", f"hold:leader:trial=1:until={release}")
             b = search.start("h2", "", shift_s=SHIFT_S)
             a.wait_for("A's leader at its marker in its first trial", held)
@@ -312,7 +319,8 @@ class TakeoverChecks:
         assert len(reasons) == 1 and "timed on this host" in reasons[0], reasons
 
     def test_every_trial_is_a_success(self, cell: Takeover) -> None:
-        assert cell.states == {str(i): "success" for i in range(1, TRIALS + 1)}, tails(cell.runs)
+        every = {str(i): "success" for i in range(1, TAKEOVER_TRIALS + 1)}
+        assert cell.states == every, tails(cell.runs)
 
     def test_the_trials_result_is_bs(self, cell: Takeover) -> None:
         assert cell.recorded.get(cell.trial_id) == "h2", cell.recorded
@@ -343,7 +351,7 @@ class TestAHostWhoseClockIsBehindTakesOverADeadHostsTrial(TakeoverChecks):
     @pytest.fixture(scope="class")
     def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
         tmp = tmp_path_factory.mktemp("behind")
-        with pair(tmp) as search:
+        with pair(tmp, TAKEOVER_TRIALS) as search:
             a = search.start("h1", f"hold:leader:trial=1:until={tmp / 'never'}")
             b = search.start("h2", "", shift_s=-SHIFT_S)
             a.wait_for("A's leader at its marker in its first trial", held)
@@ -381,7 +389,7 @@ class TestAFrozenHostThatComesBackIsFencedOff(TakeoverChecks):
     def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
         tmp = tmp_path_factory.mktemp("zombie")
         release = tmp / "release"
-        with pair(tmp) as search:
+        with pair(tmp, TAKEOVER_TRIALS) as search:
             a = search.start("h1", f"hold:leader:trial=1:until={release}")
             b = search.start("h2", "")
             a.wait_for("A's leader at its marker in its first trial", held)
