@@ -219,6 +219,32 @@ def kill_marked(name: str, value: str) -> list[str]:
     return killed
 
 
+def hide_folder(pid: int, folder: Path) -> None:
+    """``folder`` gone from the host of ``pid``: an empty tmpfs mounted over it in that
+    process's mount namespace, which only its launch shares (``ip netns exec`` makes
+    one for each command it runs, a slave of this machine's: nothing propagates back).
+    Its processes then find none of the folder's files, as on a mount cut off from its
+    server; whatever they hold open stays theirs."""
+    _nsenter(pid, "mount", "-t", "tmpfs", "-o", "size=1m", "nbh-cut", str(folder))
+
+
+def show_folder(pid: int, folder: Path) -> None:
+    """``hide_folder`` undone: the host sees the shared folder again."""
+    _nsenter(pid, "umount", str(folder))
+
+
+def _nsenter(pid: int, *cmd: str) -> None:
+    done = subprocess.run(
+        ["nsenter", "--target", str(pid), "--mount", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=IP_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise NamespaceError(f"`{' '.join(cmd)}` in pid {pid}'s mount namespace: {done.stderr}")
+
+
 def signal_marked(name: str, value: str, sig: signal.Signals) -> list[int]:
     """Send ``sig`` to every process whose environment has ``name=value`` (SIGSTOP: a
     whole host frozen; SIGCONT: it resumes); the pids it was sent to."""

@@ -16,7 +16,9 @@ there), and the cell's fault lands then, not after a sleep:
 - zombie: every process of A's launch SIGSTOPped at the marker (a whole host frozen)
   until B has taken the trial over and NePS recorded B's rerun; then SIGCONT: A's
   leader finds its attempt superseded and exits 1, its group with it, and NePS keeps
-  exactly one result for the trial, B's.
+  exactly one result for the trial, B's;
+- cut off from the shared folder: A's host loses it (an empty tmpfs over it, in A's
+  mount namespace only) for as long, its processes running on: the same outcome.
 
 Every leader's first training step of a trial sleeps ``TRIAL_S`` (the ``sleep`` fault):
 B's leader looks for orphans only before a trial, so its trials must span the grace
@@ -31,7 +33,7 @@ import re
 import signal
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,16 @@ from typing import Any
 
 import pytest
 import timings
-from hostnet import Host, Network, OnHost, kill_marked, signal_marked, start_on
+from hostnet import (
+    Host,
+    Network,
+    OnHost,
+    hide_folder,
+    kill_marked,
+    show_folder,
+    signal_marked,
+    start_on,
+)
 
 from harness import (
     MARKER,
@@ -52,6 +63,7 @@ from harness import (
     neps_trials,
     states,
 )
+from neps_bcast.compat import procfs
 from neps_bcast.lease_record import Lease, parse_lease
 
 GRACE_S = 6.0
@@ -381,56 +393,66 @@ class TestAHostWhoseClockIsBehindTakesOverADeadHostsTrial(TakeoverChecks):
         assert cell.runs["h1"].returncode == -signal.SIGKILL, tails(cell.runs)
 
 
-class TestAFrozenHostThatComesBackIsFencedOff(TakeoverChecks):
-    """Every process of A's launch SIGSTOPped at its marker in its first trial until B
-    has taken the trial over and NePS recorded B's rerun, then SIGCONT."""
+def comes_back(
+    tmp: Path,
+    cell: str,
+    lose: Callable[[OnHost], None],
+    back: Callable[[OnHost], None],
+    *,
+    goes_on: bool,
+) -> Takeover:
+    """A's host lost (``lose``) at its leader's marker in its first trial, until B has
+    taken the trial over and NePS recorded B's rerun; then back (``back``). ``goes_on``:
+    A's leader is released from its marker as it is lost (it trains on as soon as it
+    can), else it stays there (a main thread stuck, as on a hung mount): what stops it
+    is its heartbeat's finding."""
+    release = tmp / "release"
+    with pair(tmp, TAKEOVER_TRIALS) as search:
+        a = search.start("h1", f"hold:leader:trial=1:until={release}")
+        b = search.start("h2", "")
+        a.wait_for("A's leader at its marker in its first trial", held)
+        trial_id, trial_dir = a.wait_for("A's lease", lambda _: leased_by(search, a, "h1"))
+        lose(a)
+        fault_at = time.time()
+        if goes_on:
+            release.touch()
+        taken_after = taken_over(b, trial_id, fault_at)
+        b.wait_for(
+            "NePS's record of B's rerun",
+            lambda _: states(search.root).get(trial_id) == "success",
+            timeout=DEADLINE_S,
+        )
+        recorded_at = time.time()
+        back(a)
+        back_at = time.time()
+        runs = {"h1": a.finish(), "h2": b.finish()}
+        leader = next(e for e in runs["h1"].of("start") if e["proc_rank"] == 0)
+        exit_t = a.watch.wait(leader["pid"], since=fault_at, timeout=1.0)
+        exited_after = None if exit_t is None else exit_t.t - back_at
+        timings.LINES.append(
+            f"fencing, {cell}: B took trial {trial_id} over"
+            f" {taken_after if taken_after is None else round(taken_after, 1)} s after the"
+            f" fault, NePS held its result {recorded_at - fault_at:.1f} s after it; A back,"
+            f" its leader exited (status {runs['h1'].os_exits.get(leader['pid'])})"
+            f" {exited_after if exited_after is None else round(exited_after, 1)} s later"
+        )
+        return Takeover(
+            runs,
+            trial_id,
+            fault_at,
+            taken_after,
+            states(search.root),
+            recorded_by(search.root),
+            parse_lease(trial_dir),
+            kill_marked(CELL, search.cell),
+            back_at - recorded_at,
+            exited_after,
+        )
 
-    @pytest.fixture(scope="class")
-    def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
-        tmp = tmp_path_factory.mktemp("zombie")
-        release = tmp / "release"
-        with pair(tmp, TAKEOVER_TRIALS) as search:
-            a = search.start("h1", f"hold:leader:trial=1:until={release}")
-            b = search.start("h2", "")
-            a.wait_for("A's leader at its marker in its first trial", held)
-            trial_id, trial_dir = a.wait_for("A's lease", lambda _: leased_by(search, a, "h1"))
-            frozen = signal_marked(MARKER, a.marker, signal.SIGSTOP)
-            fault_at = time.time()
-            assert frozen, "nothing of A's launch was frozen"
-            release.touch()  # once resumed, A's leader goes on into its training
-            taken_after = taken_over(b, trial_id, fault_at)
-            b.wait_for(
-                "NePS's record of B's rerun",
-                lambda _: states(search.root).get(trial_id) == "success",
-                timeout=DEADLINE_S,
-            )
-            recorded_at = time.time()
-            signal_marked(MARKER, a.marker, signal.SIGCONT)
-            resumed_at = time.time()
-            runs = {"h1": a.finish(), "h2": b.finish()}
-            leader = next(e for e in runs["h1"].of("start") if e["proc_rank"] == 0)
-            heard = runs["h1"].os_exits.get(leader["pid"])
-            exit_t = a.watch.wait(leader["pid"], since=fault_at, timeout=1.0)
-            exited_after = None if exit_t is None else exit_t.t - resumed_at
-            timings.LINES.append(
-                f"fencing, zombie: A frozen; B took trial {trial_id} over"
-                f" {taken_after if taken_after is None else round(taken_after, 1)} s later,"
-                f" recorded it {recorded_at - fault_at:.1f} s after the freeze; A resumed,"
-                f" its leader exited (status {heard})"
-                f" {exited_after if exited_after is None else round(exited_after, 1)} s later"
-            )
-            return Takeover(
-                runs,
-                trial_id,
-                fault_at,
-                taken_after,
-                states(search.root),
-                recorded_by(search.root),
-                parse_lease(trial_dir),
-                kill_marked(CELL, search.cell),
-                resumed_at - recorded_at,
-                exited_after,
-            )
+
+class ComesBackChecks(TakeoverChecks):
+    """A's host lost past the grace period, its trial rerun by B, then back: A's group
+    stops, and NePS keeps B's result only."""
 
     def test_as_leader_logs_that_its_attempt_was_superseded_by_bs(self, cell: Takeover) -> None:
         log = leader_log(cell.runs["h1"])
@@ -458,8 +480,53 @@ class TestAFrozenHostThatComesBackIsFencedOff(TakeoverChecks):
     def test_as_torchrun_exits_with_an_error(self, cell: Takeover) -> None:
         assert cell.runs["h1"].returncode == 1, tails(cell.runs)
 
-    def test_a_recorded_no_result_after_it_resumed(self, cell: Takeover) -> None:
+    def test_a_recorded_no_result_after_the_fault(self, cell: Takeover) -> None:
         """Exactly one result for the trial: no record of A's evaluation ending it."""
         trained = [e for e in cell.runs["h1"].of("trained") if e["t"] > cell.fault_at]
         refused = "not recorded" in leader_log(cell.runs["h1"])
         assert trained == [] or refused, (trained, tails(cell.runs))
+
+
+def freeze(run: OnHost) -> None:
+    assert signal_marked(MARKER, run.marker, signal.SIGSTOP), "nothing of A's launch to freeze"
+
+
+def thaw(run: OnHost) -> None:
+    assert signal_marked(MARKER, run.marker, signal.SIGCONT), "nothing of A's launch to thaw"
+
+
+class TestAFrozenHostThatComesBackIsFencedOff(ComesBackChecks):
+    """Every process of A's launch SIGSTOPped at its marker (a whole host frozen, found
+    by the launch's marker variable) until B has taken the trial over and NePS recorded
+    B's rerun, then SIGCONT; A's leader goes on into its training as soon as it can."""
+
+    @pytest.fixture(scope="class")
+    def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
+        return comes_back(tmp_path_factory.mktemp("zombie"), "zombie", freeze, thaw, goes_on=True)
+
+
+class TestAHostCutOffFromTheSharedFolderIsFencedOff(ComesBackChecks):
+    """A's host loses the shared folder (an empty tmpfs over it in its launch's mount
+    namespace: hostnet.hide_folder) at its leader's marker until B has taken the trial
+    over and NePS recorded B's rerun, then sees it again; A's processes run on
+    throughout, its leader's main thread held at the marker (stuck, as on a hung
+    mount; and its NePS never writes into the empty folder): its heartbeat thread
+    fails to renew the lease while the folder is gone, then finds it taken over."""
+
+    @pytest.fixture(scope="class")
+    def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
+        tmp = tmp_path_factory.mktemp("cut_off")
+        shared = tmp / "shared"
+
+        def lose(run: OnHost) -> None:
+            hide_folder(procfs.pids_with_env(MARKER, run.marker)[0], shared)
+
+        def back(run: OnHost) -> None:
+            show_folder(procfs.pids_with_env(MARKER, run.marker)[0], shared)
+
+        return comes_back(tmp, "cut off from the shared folder", lose, back, goes_on=False)
+
+    def test_as_leader_could_not_renew_its_lease_while_cut_off(self, cell: Takeover) -> None:
+        """The positive control of the cut: the folder was gone for A's leader."""
+        log = leader_log(cell.runs["h1"])
+        assert "could not renew the lease" in log, log[-3000:]
