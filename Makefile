@@ -68,12 +68,14 @@ test-slurm: install
 # torchrun across hosts (tests/hosts): each host a network namespace with its own hostname
 # and address, on a bridge in a namespace of its own (198.18.0.0/15, never routed out), and
 # hosts cut off mid-training, between trials, the leader's, the rendezvous store's; two
-# workers on one root whose hosts' clocks disagree, one dead, one frozen and back. Needs
+# workers on one root whose hosts' clocks disagree, one dead, one frozen or cut off from
+# the shared folder and back. Needs
 # root (CI is), iproute2 and libfaketime's faketime (each installed with apt-get when
 # missing). Launches, one torchrun per host: 2 (healthy) + 2 (a partition that heals) +
 # 3 two-host cuts x (2 + 2 again) + the 3-host cut (3 + 3 again) = 22, and
-# tests/hosts/test_hosts_fencing.py's 3 cells x 2 (clock ahead, clock behind, zombie) = 28.
-HOSTS_LAUNCHES ?= 28
+# tests/hosts/test_hosts_fencing.py's 4 cells x 2 (clock ahead, clock behind, a frozen
+# host, a host cut off from the shared folder) = 30.
+HOSTS_LAUNCHES ?= 30
 test-hosts: install
 	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	command -v faketime >/dev/null || (apt-get update -qq && apt-get install -y -qq faketime)

@@ -324,11 +324,9 @@ class TakeoverChecks:
     def test_b_took_the_trial_over_within_the_bound(self, cell: Takeover) -> None:
         assert cell.taken_after is not None, tails(cell.runs)
 
-    def test_b_timed_the_lease_unchanged_on_its_own_clock(self, cell: Takeover) -> None:
-        """Why B called A gone: its lease unchanged for the grace as timed on B's
-        monotonic clock (B's wall clock alone would never, or at once)."""
+    def test_b_took_it_over_once(self, cell: Takeover) -> None:
         reasons = [r for tid, r in orphan_lines(cell.runs["h2"]) if tid == cell.trial_id]
-        assert len(reasons) == 1 and "timed on this host" in reasons[0], reasons
+        assert len(reasons) == 1, reasons
 
     def test_every_trial_is_a_success(self, cell: Takeover) -> None:
         every = {str(i): "success" for i in range(1, TAKEOVER_TRIALS + 1)}
@@ -387,6 +385,13 @@ class TestAHostWhoseClockIsBehindTakesOverADeadHostsTrial(TakeoverChecks):
                 parse_lease(trial_dir),
                 kill_marked(CELL, search.cell),
             )
+
+    def test_b_timed_the_lease_unchanged_on_its_own_clock(self, cell: Takeover) -> None:
+        """Why B called A gone: its lease unchanged for the grace as timed on B's
+        monotonic clock; its wall clock, 10 min behind, calls the lease fresh (where the
+        clocks agree, as in the cells below, "stale by both clocks" may come first)."""
+        reasons = [r for tid, r in orphan_lines(cell.runs["h2"]) if tid == cell.trial_id]
+        assert len(reasons) == 1 and "timed on this host" in reasons[0], reasons
 
     def test_as_launch_was_killed(self, cell: Takeover) -> None:
         """The fault landed: A's torchrun ended by SIGKILL (a negative status)."""
