@@ -167,3 +167,21 @@ def test_status_shows_a_leaders_clock_that_is_off_the_filesystems(tmp_path: Path
     assert 590 < offset < 610
     shown = _heartbeat(TrialStatus("7", "evaluating", 1, heartbeat_age_s=2.0, clock_offset_s=600))
     assert shown == "2s ago (its clock +600 s off the filesystem's)"
+
+
+def test_a_leaders_own_hand_back_is_never_fenced(leases: Leases, tmp_path: Path) -> None:
+    """Its own hand-back records a crash past the retry limit through NePS's recording:
+    the lease it just released (owner: nobody) must not make the fence refuse it."""
+    from neps_bcast.recovery import lease as lease_module
+
+    try:
+        leases.take("7", tmp_path)
+        assert leases.written(WAIT)
+        on_disk = read_lease(tmp_path)
+        assert on_disk is not None
+        write_lease(tmp_path, Lease("7", None, on_disk.started, on_disk.heartbeat))
+        assert leases.refuse_record("7") is not None  # positive control: fenced
+        with lease_module._handing_back():
+            assert leases.refuse_record("7") is None
+    finally:
+        leases.close()

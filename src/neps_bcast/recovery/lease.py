@@ -42,10 +42,11 @@ the same machine too; elsewhere (or under a worker id the user chose) after the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -258,8 +259,8 @@ class Leases:
         current attempt's owner records; a trial this leader never leased is not ours
         to judge."""
         mine = self._mine.get(trial_id)
-        if mine is None:
-            return None
+        if mine is None or getattr(_HANDING_BACK, "active", False):
+            return None  # not ours to judge, or our own hand-back recording it
         trial_dir, attempt = mine
         with lease_lock(trial_dir):
             on_disk = read_lease(trial_dir)
@@ -292,6 +293,10 @@ class Leases:
         """This leader abandons its trial for an infrastructure reason (``how``): back to
         pending, or crashed once it was interrupted more than the retry limit. Returns
         what became of it."""
+        # Its own hand-back is this leader's last word on the trial: NePS records it (a
+        # crash past the retry limit goes through NePS's own recording), so the fence
+        # must not refuse it as another attempt's.
+        self._mine.pop(trial_id, None)
         faults.point("settle")
         with self._lock:
             fresh = self._unwritten
@@ -306,13 +311,15 @@ class Leases:
                 if lease.owner not in (None, self.me):
                     return f"left to {lease.owner.describe()}, which took it over"
                 attempt = Attempt(self.me, lease.started, time.time(), how)
-                return self._hand_back.trial(book, trial_id, trial_dir, lease, attempt)
+                with _handing_back():
+                    return self._hand_back.trial(book, trial_id, trial_dir, lease, attempt)
 
     # -- orphans ---------------------------------------------------------------
     def recover_orphans(self) -> list[str]:
         """Put back every trial whose owner is provably gone; what was done, per trial."""
         self._looked_at = time.monotonic()
-        return self._hand_back.orphans(self.root)
+        with _handing_back():
+            return self._hand_back.orphans(self.root)
 
     def recover_orphans_if_due(self) -> list[str]:
         """Before a trial: ``recover_orphans`` unless this leader looked less than a
@@ -355,3 +362,17 @@ def superseded(trial_id: str, attempt: int, on_disk: Lease | None) -> str:
         f"trial {trial_id}: this leader's attempt {attempt} was superseded by {by} (this"
         " host was silent past NEPS_BCAST_LEASE_GRACE_S): its result is dropped"
     )
+
+
+_HANDING_BACK = threading.local()
+"""Set on a thread while it hands a trial back: a crash past the retry limit is recorded
+through NePS's own recording, which the fence must let through."""
+
+
+@contextlib.contextmanager
+def _handing_back() -> Iterator[None]:
+    _HANDING_BACK.active = True
+    try:
+        yield
+    finally:
+        _HANDING_BACK.active = False
