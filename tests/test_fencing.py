@@ -185,3 +185,23 @@ def test_a_leaders_own_hand_back_is_never_fenced(leases: Leases, tmp_path: Path)
             assert leases.refuse_record("7") is None
     finally:
         leases.close()
+
+
+def test_a_lease_that_cannot_be_read_is_not_taken_for_a_takeover(
+    leases: Leases, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A torn or unreadable lease (a flaky mount) is tried again at the next heartbeat;
+    only a lease that names another owner, or none, stops the leader."""
+    said: list[str] = []
+    leases.on_superseded = said.append
+    try:
+        leases.take("7", tmp_path)
+        assert leases.written(WAIT)
+        (tmp_path / ".neps_bcast_lease.json").write_text("{not json")
+        deadline = time.monotonic() + WAIT
+        while "could not renew the lease" not in caplog.text:
+            assert time.monotonic() < deadline, "no renewal was tried"
+            time.sleep(0.02)  # bounded poll of the heartbeat thread's log
+    finally:
+        leases.close()
+    assert said == []

@@ -148,6 +148,7 @@ def _refuse_record(rt: Runtime, leases: Leases, trial_id: str) -> str | None:
     why = leases.refuse_record(trial_id)
     if why is not None:
         rt.log(logging.ERROR, "%s: not recorded", why)
+        _superseded(rt, why)  # this group trained a trial that another attempt holds
     return why
 
 

@@ -54,6 +54,7 @@ from neps_bcast import faults
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_trials
 from neps_bcast.config import Settings
+from neps_bcast.lease_record import parse_lease
 from neps_bcast.log import logger
 from neps_bcast.recovery.hand_back import HandBack
 from neps_bcast.recovery.lease_file import (
@@ -238,7 +239,12 @@ class Leases:
             trial_dir, lease = held
             try:
                 with lease_lock(trial_dir):
-                    on_disk = read_lease(trial_dir)
+                    try:
+                        on_disk = parse_lease(trial_dir)
+                    except (ValueError, KeyError, TypeError) as exc:
+                        # Unreadable is not taken over (a flaky mount, a torn read):
+                        # tried again at the next heartbeat.
+                        raise OSError(f"cannot read it: {exc}") from exc
                     if on_disk is None or on_disk.owner != self.me:
                         line = superseded(lease.trial_id, lease.attempt, on_disk)
                         self.log(logging.ERROR, "%s; no longer renewing its lease", line)

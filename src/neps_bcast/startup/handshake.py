@@ -189,7 +189,13 @@ class _Handshake:
                 payload["secret"] = auth.secret_text(secret)  # several hosts: warned
             self.signer.use(secret, auth.search_id(nonce, challenges))
             record = {
-                "address": address(self.link.serve().port),
+                # A store on loopback only (every rank on this host) is reached there,
+                # whatever address routes to MASTER_ADDR (torchrun --local-addr).
+                "address": (
+                    f"127.0.0.1:{self.link.serve().port}"
+                    if self.link.loopback
+                    else address(self.link.serve().port)
+                ),
                 "nonce": nonce.hex(),
                 "challenges": [c.hex() for c in challenges],
             }
