@@ -95,9 +95,6 @@ FAULTS = (
     Fault("kill_leader", "SIGKILL to the leader", "sigkill", "leader"),
     Fault("kill_follower", "SIGKILL to the follower (rank 1)", "sigkill", "follower"),
     Fault(
-        "raise", "an exception at the step (the follower's, where every rank reaches it)", "raise"
-    ),
-    Fault(
         "freeze_leader",
         "the leader frozen (SIGSTOP: a hung node, nothing closes)",
         "sigstop",
@@ -109,10 +106,15 @@ FAULTS = (
         "sigstop",
         "follower",
     ),
+    Fault(
+        "raise", "an exception at the step (the follower's, where every rank reaches it)", "raise"
+    ),
 )
 
 SILENT_BOUND_S = 3
-"""``NEPS_BCAST_PEER_TIMEOUT_S`` in a frozen cell's launch (the default is 30 s)."""
+"""The frozen faults come before ``raise`` in ``FAULTS``: a chain's cells run in this
+order, and a ``raise`` cell's search goes on to spend the chain's budget, so it must be
+the last. ``NEPS_BCAST_PEER_TIMEOUT_S`` in a frozen cell's launch (the default is 30 s)."""
 
 
 @dataclass(frozen=True)
