@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_run
 from neps_bcast.errors import NepsBcastError, first_line
 from neps_bcast.leader_trial import RunTrial, SearchAborted, TrialPutBack, wrap
-from neps_bcast.log import logger
+from neps_bcast.log import exit_now
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import next_worker_id
 from neps_bcast.recovery.root_lock import RootGuard
@@ -159,9 +158,7 @@ def _superseded(rt: Runtime, line: str) -> None:
     fence drops its result if it got that far), and every follower's leader watch then
     ends its own."""
     rt.log(logging.ERROR, "%s; this worker stops now (exit code 1)", line)
-    for handler in logging.getLogger().handlers + logger.logger.handlers:
-        handler.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 def _past_time_limit(
@@ -186,9 +183,7 @@ def _past_time_limit(
         how,
         became,
     )
-    for handler in logging.getLogger().handlers + logger.logger.handlers:
-        handler.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 def _fault_points_in_neps() -> None:

@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NoReturn
 
 _source: Callable[[], str] | None = None
 
@@ -53,3 +53,13 @@ class _RankAdapter(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 logger = _RankAdapter(logging.getLogger("neps_bcast"), {})
 """Log through this: ``logger.info("trial %s received", trial_id)``."""
+
+
+def exit_now(code: int = 1) -> NoReturn:
+    """End this process at once, from any thread (the main one may be blocked in C++
+    for ever), after every log line so far is written: the rank's error is its last
+    line. Used where a peer is lost or silent, or a trial hangs, and nothing can unblock
+    the thread stuck behind it."""
+    for handler in logging.getLogger().handlers + logger.logger.handlers:
+        handler.flush()
+    os._exit(code)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from neps_bcast.errors import (
     first_line,
     format_message,
 )
-from neps_bcast.log import logger, role_tag, tagged
+from neps_bcast.log import exit_now, logger, role_tag, tagged
 from neps_bcast.recovery.signals import indivisible
 from neps_bcast.startup import external
 from neps_bcast.startup.launch import Launch
@@ -338,9 +337,7 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
         " (killed by this follower: it was on this host)" if killed else "",
         rt.settings.peer_timeout_s,
     )
-    for handler in logging.getLogger().handlers + logger.logger.handlers:
-        handler.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 def _settle_or_leave(rt: Runtime, silence: liveness.Silence) -> None:
@@ -364,9 +361,7 @@ def _settle_or_leave(rt: Runtime, silence: liveness.Silence) -> None:
         how,
         became,
     )
-    for handler in logging.getLogger().handlers + logger.logger.handlers:
-        handler.flush()
-    os._exit(1)
+    exit_now(1)
 
 
 def _lost(rt: Runtime, exc: BaseException) -> LeaderLostError | FollowerLostError:

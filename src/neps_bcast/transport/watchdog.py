@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import threading
 from collections.abc import Callable
 
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from neps_bcast.compat.torch import Store
 from neps_bcast.config import Settings
 from neps_bcast.errors import AuthError
-from neps_bcast.log import logger
+from neps_bcast.log import exit_now, logger
 from neps_bcast.transport import liveness, store
 from neps_bcast.transport.auth import Context, Signer
 
@@ -106,9 +105,7 @@ class LeaderWatch:
             liveness.why_leader_left(error),
             GRACE_S,
         )
-        for handler in logging.getLogger().handlers + logger.logger.handlers:
-            handler.flush()
-        os._exit(1)
+        exit_now(1)
 
     def release(self, leader_store: Store) -> None:
         """Follower leaving: end the watch before the interpreter exits."""
