@@ -268,8 +268,11 @@ class Leases:
         if mine is None or getattr(_HANDING_BACK, "active", False):
             return None  # not ours to judge, or our own hand-back recording it
         trial_dir, attempt = mine
-        with lease_lock(trial_dir):
-            on_disk = read_lease(trial_dir)
+        # No lease lock: NePS's trial lock, held here, already excludes every takeover,
+        # and a lease is replaced atomically. Waiting on the lease lock would put a wait
+        # bounded only by its holder's death (a renewal frozen mid-write) inside NePS's
+        # critical section.
+        on_disk = read_lease(trial_dir)
         if on_disk is None or (on_disk.owner == self.me and on_disk.attempt in (0, attempt)):
             return None
         return superseded(trial_id, attempt, on_disk)
