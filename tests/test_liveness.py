@@ -98,16 +98,67 @@ def test_a_follower_finds_its_frozen_leader_silent_within_the_bound(
         # Positive control: while the leader runs, the beats get through and none is late.
         wait_until(lambda: _count(client, signer, 1) >= 5, "five beats answered")
         assert verdicts.seen == []
+        # This rank just met its leader, which froze before a beat told of the meeting.
+        liveness.leader_reached("in a meeting of the ranks of trial 3 (#3)")
         frozen_leader.send_signal(signal.SIGSTOP)
         frozen = time.monotonic()
         assert verdicts.event.wait(WAIT)
         took = time.monotonic() - frozen
     finally:
         beat.stop()
+        liveness.forget()
     (silence,) = verdicts.seen
     assert (silence.group_rank, silence.pid) == (0, frozen_leader.pid)
+    assert silence.doing == "in a meeting of the ranks of trial 3 (#3)"
     assert silence.silent_s > BOUND
     assert took > BOUND
+
+
+@pytest.mark.parametrize(
+    ("heard", "proven", "named"),
+    [
+        # Nothing proven: the last beat heard.
+        ("evaluating trial 2 (#2)", None, "evaluating trial 2 (#2)"),
+        # The beat heard lags what this rank's own steps prove: the proof.
+        (
+            "handing trial 2 (#2) over",
+            "in a meeting of the ranks of trial 2 (#2)",
+            "in a meeting of the ranks of trial 2 (#2)",
+        ),
+        ("evaluating trial 1 (#1)", "handing trial 2 (#2) over", "handing trial 2 (#2) over"),
+        ("starting", "handing trial 1 (#1) over", "handing trial 1 (#1) over"),
+        (
+            "unknown",
+            "in a meeting of the ranks of trial 1 (#1)",
+            "in a meeting of the ranks of trial 1 (#1)",
+        ),
+        # The beat heard is as late or later: the beat.
+        (
+            "evaluating trial 2 (#2)",
+            "in a meeting of the ranks of trial 2 (#2)",
+            "evaluating trial 2 (#2)",
+        ),
+        (
+            "handing trial 3 (#3) over",
+            "in a meeting of the ranks of trial 2 (#2)",
+            "handing trial 3 (#3) over",
+        ),
+        (
+            "stopping its followers",
+            "in a meeting of the ranks of trial 4 (#4)",
+            "stopping its followers",
+        ),
+    ],
+)
+def test_a_silent_leader_is_named_at_the_latest_step_it_is_known_to_have_reached(
+    heard: str, proven: str | None, named: str
+) -> None:
+    try:
+        if proven is not None:
+            liveness.leader_reached(proven)
+        assert liveness.leader_step(heard) == named
+    finally:
+        liveness.forget()
 
 
 def test_the_leader_finds_a_follower_whose_beats_stopped_silent_and_names_its_step(

@@ -185,7 +185,7 @@ class Runtime:
         """Leader: hand a message to every follower (first contact or a step)."""
         if self.ensure_channel():
             liveness.doing(
-                f"handing trial {message.trial_id} over"
+                f"handing trial {message.trial_id} (#{message.seq}) over"
                 if isinstance(message, TrialMessage)
                 else "stopping its followers"
             )
@@ -207,7 +207,10 @@ class Runtime:
                 )
             )
         liveness.doing("waiting for the next trial")
-        return self._on_channel(lambda c: self.steps.next_message(c, self.tag))
+        message = self._on_channel(lambda c: self.steps.next_message(c, self.tag))
+        if isinstance(message, TrialMessage):
+            liveness.leader_reached(f"handing trial {message.trial_id} (#{message.seq}) over")
+        return message
 
     def first_contact(self) -> TrialMessage:
         """Lightning child: the trial its leader was evaluating when it spawned us."""
@@ -233,6 +236,8 @@ class Runtime:
         label = self.trial_label or f"trial #{report.seq}"
         liveness.doing(f"in a meeting of the ranks of {label}")
         reports = self._on_channel(lambda c: self.steps.meet(c, report, self.tag))
+        if self.group_rank != 0:
+            liveness.leader_reached(f"in a meeting of the ranks of {label}")
         liveness.doing(f"evaluating {label}")
         return reports
 

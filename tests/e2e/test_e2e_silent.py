@@ -71,9 +71,11 @@ TRIALS = 4
 STEP = re.compile(r"evaluating trial 2 \(#2\)|in a meeting of the ranks of trial 2 \(#2\)")
 """Trial 2 as a rank's beats name what it does: ``evaluating trial 2 (#2)`` from its
 start, ``in a meeting of the ranks of trial 2 (#2)`` while they meet at its start, then
-``evaluating trial 2 (#2)`` again. A survivor names the last step it heard, up to one beat
-before the freeze: a leader frozen ~50 ms after the meeting (its first training step
-under Lightning) is named in the meeting (measured)."""
+``evaluating trial 2 (#2)`` again. A survivor names the later of the last step it heard
+(a beat is read every tenth of the bound) and the step its own steps prove the silent
+rank reached: a leader frozen ~50 ms after the meeting (its first training step under
+Lightning) is named in the meeting, never at the hand-over its last beat told of (CI saw
+that once, before a follower's own meeting counted)."""
 HOST = socket.gethostname()
 SILENT = re.compile(r"silent", re.IGNORECASE)
 SILENCE = re.compile(

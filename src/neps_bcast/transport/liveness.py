@@ -41,6 +41,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -71,6 +72,45 @@ def doing(what: str) -> None:
 
 def now_doing() -> str:
     return _doing
+
+
+_STEP_OF_TRIAL = re.compile(
+    r"(?P<phase>handing|in a meeting of the ranks of|evaluating) trial \S+ \(#(?P<seq>\d+)\)"
+)
+_PHASES = {"handing": 0, "in a meeting of the ranks of": 1, "evaluating": 2}
+
+
+def _step_key(what: str) -> tuple[int, int] | None:
+    """Where a step lies in the search: (trial seq, phase); None for a step of no trial."""
+    m = _STEP_OF_TRIAL.match(what)
+    return None if m is None else (int(m["seq"]), _PHASES[m["phase"]])
+
+
+_leader_floor: str | None = None
+"""Follower: the latest step its leader must have reached, from this rank's own steps
+(it received a trial: the leader handed it over; it met the leader). A leader that froze
+right after a step is named there, not at the step of its last beat heard before."""
+
+
+def leader_reached(what: str) -> None:
+    """Follower: the leader has reached the step ``what`` (this rank's own step says so)."""
+    global _leader_floor  # noqa: PLW0603 - one rank per process, read by the judge thread
+    _leader_floor = what
+
+
+def leader_step(last_heard: str) -> str:
+    """Follower: what the silent leader was doing, the later of its last beat's step and
+    the step this rank's own steps prove it reached (a beat is read once a tenth of the
+    bound: a meeting shorter than that is never heard)."""
+    floor = _leader_floor
+    if floor is None:
+        return last_heard
+    heard, proven = _step_key(last_heard), _step_key(floor)
+    if proven is None:
+        return last_heard
+    if last_heard in ("starting", "unknown") or (heard is not None and heard < proven):
+        return floor
+    return last_heard
 
 
 def beat_key(group_rank: int) -> str:
@@ -119,7 +159,9 @@ def mark(silence: Silence, action: str) -> None:
 
 def forget() -> None:
     """A new ``run`` call (tests run several in one process)."""
+    global _leader_floor  # noqa: PLW0603 - see leader_reached
     _silenced.clear()
+    _leader_floor = None
 
 
 @dataclass
@@ -353,7 +395,8 @@ class LeaderBeat:
             if silent_s > self.bound_s and not self._stopped.is_set():
                 host, pid = self._leader()
                 self._stopped.set()
-                self._on_silent(Silence(0, host, pid, None, silent_s, self._leader_doing))
+                doing = leader_step(self._leader_doing)
+                self._on_silent(Silence(0, host, pid, None, silent_s, doing))
                 return
 
 
