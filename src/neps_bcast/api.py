@@ -133,7 +133,7 @@ def _run_in_pool(
         pool_rank.serve(fn, settings, follow=run_follower)
         return
     assert ranks_per_trial is not None  # checked up front
-    remote = pool_agent.connect(os.environ, ranks_per_trial)
+    remote = pool_agent.connect(os.environ, ranks_per_trial, settings.peer_timeout_s)
     rt = Runtime(launch, settings, Signer(new_secret()))
     pool_agent.check_up_front(ranks_per_trial, pipeline_space, remote.size, rt.tag)
     if kwargs.get("overwrite_root_directory"):

@@ -84,9 +84,10 @@ VARIABLES = (
         "NEPS_BCAST_PEER_TIMEOUT_S",
         "peer_timeout_s",
         "30",
-        "how long a rank of a trial's group may stay silent (frozen, hung, its node lost or"
-        " cut off: no beat, no answer) before its peers treat it as lost; sized for the"
-        " longest stall of a healthy rank (docs/failures.md)",
+        "how long a rank of a trial's group, or a process of a pool (its launcher, an"
+        " agent, a rank), may stay silent (frozen, hung, its node lost or cut off: no beat,"
+        " no answer) before its peers treat it as lost; sized for the longest stall of a"
+        " healthy rank (docs/failures.md)",
     ),
     Variable(
         "NEPS_BCAST_TRIAL_TIME_LIMIT_S",

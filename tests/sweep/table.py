@@ -227,7 +227,9 @@ ROWS = (
     Row(
         "pool_lost",
         "in a pool (`neps-bcast launch --pool`), a process of one trial is lost: one of its"
-        " ranks is killed or terminated, or its agent (the NePS worker) is killed",
+        " ranks is killed or terminated, or its agent (the NePS worker) is killed; or one of"
+        " them is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (frozen, hung) and SIGKILLed (a"
+        " rank by its trial's rank 0 or the launcher, an agent by the launcher)",
         "`pending`; the pool's other trials go on",
         "the same launch, on fresh ranks (a killed agent: the fresh agent the launcher"
         " starts in its place proves the trial's lease dead at its start)",
@@ -237,11 +239,13 @@ ROWS = (
     ),
     Row(
         "pool_stopped",
-        "SIGTERM or Ctrl-C to a pool's launcher",
+        "SIGTERM or Ctrl-C to a pool's launcher; the launcher killed, or silent for"
+        " `NEPS_BCAST_PEER_TIMEOUT_S` (frozen, hung: SIGKILLed by the first of its agents"
+        " and ranks that finds it so)",
         "`pending`, every trial running or waiting for ranks",
         "the same command again",
-        "the launcher 128 + the signal (143, 130); every agent and rank 143 (a rank told"
-        " the search is over first: 0; one with nothing to settle: -15)",
+        "the launcher 128 + the signal (143, 130; -9 killed); every agent and rank 143 (a"
+        " rank told the search is over first: 0; one with nothing to settle: -15)",
     ),
     Row(
         "between_trials",
@@ -660,6 +664,18 @@ POOL_FAULTS = (
         "follower",
     ),
     Fault(
+        "freeze_agent",
+        "the trial's agent frozen (SIGSTOP: hung, nothing closes, no parent-death signal)",
+        "sigstop",
+        "agent",
+    ),
+    Fault(
+        "freeze_launcher",
+        "the launcher frozen (SIGSTOP: hung, its sockets open, no parent-death signal)",
+        "sigstop",
+        "launcher",
+    ),
+    Fault(
         "kill_launcher",
         "SIGKILL to the launcher (a crash, the OOM killer): its processes get their"
         " parent-death SIGTERM",
@@ -718,12 +734,16 @@ def pool_expect(point: PoolPoint, fault: Fault) -> PoolExpect | Unreachable:
             else "the agent's steps are NePS's and neps_bcast's, each bounded"
         )
     if fault.kind == "sigstop":
-        # Its trial's rank 0 finds it silent after the bound and SIGKILLs it (one host):
-        # from then on the cell is the kill cell of that rank.
+        # Found silent after the bound and SIGKILLed (one host: a frozen process is ours
+        # to end): from then on the cell is the kill cell of that process.
         base = pool_expect(point, POOL_FAULT[fault.name.replace("freeze", "kill")])
         if isinstance(base, Unreachable):
             return base
-        return replace(base, note=f"{base.note} (frozen, then SIGKILLed by its trial's rank 0)")
+        by = {
+            "agent": "the launcher (pool beats)",
+            "launcher": "one of its agents or ranks (pool beats)",
+        }.get(fault.to, "its trial's rank 0 (or the launcher)")
+        return replace(base, note=f"{base.note} (frozen, then SIGKILLed by {by})")
     if fault.kind == "hang":
         return PoolExpect(
             "pool_lost",
@@ -912,6 +932,7 @@ POOL_CHAINS: dict[str, tuple[tuple[str, str], ...]] = {
         ("exchange", "kill_r1"),
         ("done", "kill_r0"),
         ("fit", "freeze_r1"),
+        ("fit", "freeze_agent"),
     ),
     "agent": (
         ("ask", "kill_agent"),
@@ -922,6 +943,7 @@ POOL_CHAINS: dict[str, tuple[tuple[str, str], ...]] = {
         ("sample", "raise"),
     ),
     "launcher": (
+        ("fit", "freeze_launcher"),
         ("fit", "kill_launcher"),
         ("fit", "term_launcher"),
         ("stop", "int_launcher"),
@@ -938,6 +960,7 @@ possibly still running).
 Every kind of process and of fault, at every step where it means something different:
 rank 0 lost before its group formed and after its outcome was sent, rank 1 lost after
 it was handed the trial and at the exchange, the agent killed at each of its steps,
-NePS raising as it samples and records, and each signal to the launcher."""
+NePS raising as it samples and records, each signal to the launcher, and rank 1, the
+agent and the launcher frozen (each found silent and SIGKILLed, then its kill cell)."""
 
 POOL_CELLS = [(POOL_POINT[p], POOL_FAULT[f]) for cells in POOL_CHAINS.values() for p, f in cells]

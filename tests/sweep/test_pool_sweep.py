@@ -243,8 +243,15 @@ def run_stopping(chain: PoolChain, tmp_path: Path) -> tuple[list[str], list[Resu
         want = chain.want(i)
         spec = pool_spec(point, fault, None)
         before = neps_view(root)
+        frozen = (
+            {"NEPS_BCAST_PEER_TIMEOUT_S": str(SILENT_BOUND_S)} if fault.kind == "sigstop" else {}
+        )
         launch = run(
-            chain.command(), tmp_path, name=f"{i:02d}-{point.name}-{fault.name}", fault=spec
+            chain.command(),
+            tmp_path,
+            name=f"{i:02d}-{point.name}-{fault.name}",
+            fault=spec,
+            env=frozen,
         )
         launches.append(launch)
         after = neps_view(root)

@@ -29,7 +29,7 @@ from neps_bcast.errors import (
     NepsBcastError,
     format_message,
 )
-from neps_bcast.pool import opening, wire
+from neps_bcast.pool import beats, opening, wire
 from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage, encode
@@ -206,10 +206,17 @@ class Remote:
         self.conn.close()
 
 
-def connect(environ: MutableMapping[str, str], ranks_per_trial: RanksPerTrial) -> Remote:
+def connect(
+    environ: MutableMapping[str, str], ranks_per_trial: RanksPerTrial, bound_s: float
+) -> Remote:
     """This agent's connection to the pool's launcher (the key taken out of the
-    environment once read), as the executor the leader's loop hands each trial to."""
+    environment once read), as the executor the leader's loop hands each trial to; from
+    then on it beats to the launcher and judges the launcher's beats (``beats``)."""
     index = int(environ[wire.ENV_POOL_INDEX])
     key = wire.take_key(environ)
     conn = opening.connect(environ[wire.ENV_POOL], key, "agent", index)
+    launcher_pid, _ = opening.peer_credentials(conn.sock)
+    tag = f"[neps_bcast pool agent {index}]"
+    verdict = beats.end_silent_launcher(tag)
+    beats.of_member(environ[wire.ENV_POOL], "agent", index, launcher_pid, bound_s, verdict)
     return Remote(conn, key, pool_size(environ), ranks_per_trial)

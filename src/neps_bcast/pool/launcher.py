@@ -31,14 +31,17 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
+from neps_bcast import config
 from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.launcher import status
 from neps_bcast.launcher.plan import TAG
 from neps_bcast.launcher.processes import Settings, Supervisor
+from neps_bcast.pool import beats
 from neps_bcast.pool.agent_lives import AgentLives, Overwrite
 from neps_bcast.pool.devices import Devices
 from neps_bcast.pool.endings import Endings
@@ -68,6 +71,10 @@ class Pool:
         self.agent_lives = AgentLives(self.display)
         self.ended: str | None = None
         """Why the launcher ended the launch itself (no device left)."""
+        self.beats: beats.Beats | None = None
+        self.silent: list[beats.Silent] = []
+        """Processes the beats' thread found silent, for the loop to end."""
+        self._silent_lock = threading.Lock()
 
     def run(self) -> int:
         self.plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +82,11 @@ class Pool:
             old.unlink()
         self.server.bind(self.members.path)
         self.server.listen(2 * (self.plan.size + self.plan.agent_count) + 8)
+        folder = beats.folder_of(self.members.path)
+        folder.mkdir()
+        bound_s = config.Settings.from_env().peer_timeout_s
+        self.beats = beats.Beats(folder, beats.LAUNCHER, bound_s, self._found_silent)
+        self.members.beats = self.beats
         where = f"devices {','.join(self.plan.devices)}" if self.plan.devices is not None else "CPU"
         self.display.say(
             f"pool of {self.plan.size} ranks on {where} and {self.plan.agent_count} agents;"
@@ -93,6 +105,8 @@ class Pool:
                 if left:
                     self.display.say(f"SIGKILLed {len(left)} process(es) left running: {left}.")
         finally:
+            if self.beats is not None:
+                self.beats.stop()
             self.members.close()
             self.server.close()
             shutil.rmtree(self.folder, ignore_errors=True)
@@ -145,10 +159,32 @@ class Pool:
         for agent, yes in answers:
             self.members.tell(agent, {"op": "overwrite", "yes": yes})
 
+    def _found_silent(self, silent: beats.Silent) -> None:
+        """The beats' thread: a process of the pool is silent (the loop ends it)."""
+        with self._silent_lock:
+            self.silent.append(silent)
+
+    def _end_silent(self) -> None:
+        """SIGKILL each process found silent (frozen or hung: on this node it is ours to
+        end); its exit is then handled as a crash's (``_reap_agents``, ``_reap_ranks``)."""
+        with self._silent_lock:
+            found, self.silent = self.silent, []
+        for silent in found:
+            member = self.members.by_beat(silent.name)
+            if member is None or member.proc.poll() is not None:
+                continue
+            self.display.say(
+                f"{silent.describe()}: frozen or hung; SIGKILL to it, and its trial (if any)"
+                " goes back to pending. If it only stalls, raise NEPS_BCAST_PEER_TIMEOUT_S"
+                f" (now {silent.bound_s:g} s)."
+            )
+            member.proc.send_signal(signal.SIGKILL)
+
     def _step(self, now: float) -> bool:
         """One look at everything; False once every process has exited."""
         if self.signals.received and not self.supervisor.stopping:
             self._stop(now)
+        self._end_silent()
         if self.supervisor.kill_if_due(now, self.members.running()):
             self.display.say("pool still running: SIGKILL to every process of the launch.")
         self.members.expire(now)
@@ -176,6 +212,7 @@ class Pool:
                 continue
             agent.reaped = True
             self.members.hang_up(agent)
+            self.members.unwatch(agent)
             self._answer(self.overwrite.gone(agent))
             for order in self.trials.of_agent(agent.index):
                 if not order.ranks:  # still waiting: withdrawn
@@ -196,6 +233,7 @@ class Pool:
             rank.reaped = True
             self.trials.hear(rank)  # its last words (an outcome) first
             self.members.hang_up(rank)
+            self.members.unwatch(rank)
             self.trials.placement.set_available(index, False)
             order = self.trials.orders.get(rank.order) if rank.order is not None else None
             if order is not None:

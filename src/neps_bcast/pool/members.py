@@ -18,7 +18,7 @@ from typing import Any
 from neps_bcast.launcher import status
 from neps_bcast.launcher.plan import SLURM_TASK_VARIABLES
 from neps_bcast.launcher.processes import Supervisor
-from neps_bcast.pool import wire
+from neps_bcast.pool import beats, wire
 from neps_bcast.pool.opening import Opening
 
 ENV_POOL_DEVICES = "NEPS_BCAST_POOL_DEVICES"
@@ -117,6 +117,8 @@ class Members:
         self.agents: dict[int, Member] = {}
         self.ranks: dict[int, Member] = {}
         self.openings: list[Opening] = []
+        self.beats: beats.Beats | None = None
+        """The launcher's beats: each member is judged once it beats."""
 
     def all(self) -> list[Member]:
         return [*self.agents.values(), *self.ranks.values()]
@@ -162,7 +164,19 @@ class Members:
             )
         member = Member(role, index, proc, log)
         self.of(role)[index] = member
+        if self.beats is not None:
+            self.beats.watch(beats.name_of(role, index, proc.pid), f"{role} {index}", proc.pid)
         return member
+
+    def by_beat(self, name: str) -> Member | None:
+        """The member whose beat file ``name`` is."""
+        return next(
+            (m for m in self.all() if beats.name_of(m.role, m.index, m.proc.pid) == name), None
+        )
+
+    def unwatch(self, member: Member) -> None:
+        if self.beats is not None:
+            self.beats.unwatch(beats.name_of(member.role, member.index, member.proc.pid))
 
     # -- talking -------------------------------------------------------------------
     def tell(self, member: Member, record: dict[str, Any]) -> None:

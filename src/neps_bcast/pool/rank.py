@@ -42,7 +42,7 @@ from neps_bcast.ddp.group import names_for_a_new_store
 from neps_bcast.ddp.teardown import free_what_trials_left
 from neps_bcast.errors import ErrorRecord, FollowerLostError, NepsBcastError, format_message
 from neps_bcast.log import logger
-from neps_bcast.pool import opening, wire
+from neps_bcast.pool import beats, opening, wire
 from neps_bcast.recovery.signals import preemption, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import detect
@@ -120,6 +120,11 @@ def serve(fn: Callable[..., Any], settings: Settings, follow: Follow) -> None:
     freed = free_what_trials_left()  # the first: the heap of the imports frozen
     logger.info("%s ready (%d objects frozen)", tag, freed.froze)
     conn = opening.connect(environ[wire.ENV_POOL], key, "rank", index)
+    launcher_pid, _ = opening.peer_credentials(conn.sock)
+    verdict = beats.end_silent_launcher(tag)
+    member_beats = beats.of_member(
+        environ[wire.ENV_POOL], "rank", index, launcher_pid, settings.peer_timeout_s, verdict
+    )
     started_with = dict(os.environ)
     try:
         while True:
@@ -156,6 +161,7 @@ def serve(fn: Callable[..., Any], settings: Settings, follow: Follow) -> None:
                 1e3 * freed.cpu_s,
             )
     finally:
+        member_beats.stop()
         conn.close()
 
 
