@@ -466,3 +466,46 @@ class TestACollectiveThatTimesOutPutsTheTrialBack(RerunChecks):
 
     def test_the_rerun_finished_the_budget_every_trial_a_success(self, rerun: Rerun) -> None:
         assert set(states(rerun.again.root).values()) == {"success"}
+
+
+class TestATrialPastItsTimeLimitIsPutBack(RerunChecks):
+    """A hang where every rank is alive, so no rank is ever silent: the follower waits
+    for ever in a training step of trial 2 (a deadlock in the user's code), the leader
+    in its allreduce. ``NEPS_BCAST_TRIAL_TIME_LIMIT_S`` (8 s here; unset by default)
+    ends it: the leader's lease thread puts the trial back to ``pending`` and exits 1,
+    its follower follows, and the same command again evaluates it and finishes the
+    budget."""
+
+    LIMIT_S = 8
+    COMMAND: ClassVar[list[str]] = torchrun(2, TORCH_DDP, "--trials", 3)
+
+    @pytest.fixture(scope="class")
+    def rerun(self, tmp_path_factory: pytest.TempPathFactory) -> Rerun:
+        tmp = tmp_path_factory.mktemp(type(self).__name__)
+        env = {"NEPS_BCAST_TRIAL_TIME_LIMIT_S": str(self.LIMIT_S)}
+        first = run(self.COMMAND, tmp, name="first", fault="hang:follower:trial=2", env=env)
+        return Rerun(first, states(first.root), run(self.COMMAND, tmp, name="again", env=env))
+
+    def test_the_follower_hung_in_a_training_step_of_trial_2(self, rerun: Rerun) -> None:
+        fired = [(e["kind"], e["where"], e["seq"], e["rank"]) for e in rerun.first.of("fault")]
+        assert fired == [("hang", "fit", 2, 1)], (fired, rerun.first.tail())
+
+    def test_the_hung_trial_went_back_to_pending(self, rerun: Rerun) -> None:
+        assert rerun.after_first == {"1": "success", "2": "pending"}, rerun.first.tail()
+
+    def test_the_leader_named_the_limit_and_exited_1(self, rerun: Rerun) -> None:
+        said = f"trial 2 is still running {self.LIMIT_S} s after it started"
+        logs = [text for name, text in rerun.first.rank_logs.items() if name.startswith("rank0.")]
+        leader = {e["proc_rank"]: e["pid"] for e in rerun.first.of("start")}[0]
+        assert rerun.first.os_exits[leader] == 1, (rerun.first.os_exits, rerun.first.tail())
+        assert any(said in text for text in logs), rerun.first.tail()
+
+    def test_no_rank_was_taken_for_silent(self, rerun: Rerun) -> None:
+        """Every rank lived: the limit ended the trial, not the silence check."""
+        assert lines_saying_silent(rerun.first) == [], rerun.first.tail()
+
+    def test_the_first_launch_ended_on_its_own(self, rerun: Rerun) -> None:
+        rerun.first.ended_on_their_own(first_fault(rerun.first))
+
+    def test_the_rerun_finished_the_budget_every_trial_a_success(self, rerun: Rerun) -> None:
+        assert states(rerun.again.root) == {"1": "success", "2": "success", "3": "success"}
