@@ -88,7 +88,7 @@ def fail_starts(p: Pool, times: int) -> None:
     """Every rank whose process exited (1, before its hello) is reaped ``times`` times; a
     fresh one (exiting 1 again) replaces it unless its device is retired."""
     for _ in range(times):
-        p._reap_ranks(0.0)
+        p.exits.reap_ranks(0.0)
 
 
 def test_a_device_is_retired_after_its_rank_failed_to_start_k_times_in_a_row(pool: Pool) -> None:
@@ -218,10 +218,10 @@ def test_an_agent_that_failed_is_not_replaced_and_decides_the_exit_status(pool: 
     WorkerRaiseError) would recur in a fresh agent: none is started."""
     failed = pool.members.agents[0]
     failed.proc.code = 1  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     assert pool.members.agents[0] is failed
-    assert pool.agent_lives.restarts == {}
-    assert pool.agent_lives.failed == [(0, 1)]
+    assert pool.exits.agent_lives.restarts == {}
+    assert pool.exits.agent_lives.failed == [(0, 1)]
     text = pool.display.stream.getvalue()  # type: ignore[attr-defined]
     assert "agent 0 failed (exit 1); the others go on." in text, text
     assert "pending" not in text
@@ -231,10 +231,10 @@ def test_an_agent_that_failed_is_not_replaced_and_decides_the_exit_status(pool: 
 def test_an_agent_killed_by_a_signal_is_replaced(pool: Pool) -> None:
     killed = pool.members.agents[1]
     killed.proc.code = -9  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     assert pool.members.agents[1] is not killed
-    assert pool.agent_lives.restarts == {1: 1}
-    assert pool.agent_lives.failed == []
+    assert pool.exits.agent_lives.restarts == {1: 1}
+    assert pool.exits.agent_lives.failed == []
     assert "agent 1 was killed by SIGKILL: a fresh one takes its place" in (
         pool.display.stream.getvalue()  # type: ignore[attr-defined]
     )
@@ -246,7 +246,7 @@ def test_a_lost_agents_running_trial_has_its_ranks_stopped_at_once(pool: Pool, c
     ranks get SIGKILL at once, not after the lost-peer grace."""
     ranks = _placed_on_both(pool, 0, "2")
     pool.members.agents[0].proc.code = code  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
     said = pool.display.stream.getvalue()  # type: ignore[attr-defined]
     assert (
@@ -260,7 +260,7 @@ def test_an_agent_that_ended_after_its_outcome_leaves_its_ranks_to_finish(pool: 
     ranks[0].conn = FakeConn()  # type: ignore[assignment]
     pool._handle(ranks[0], {"op": "outcome", "order": "o2", "result": "", "clean": True})
     pool.members.agents[0].proc.code = 0  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     assert pool.killed_pids == []  # type: ignore[attr-defined]
 
 
@@ -268,7 +268,7 @@ def test_a_stopping_launch_leaves_a_lost_agents_ranks_to_their_sigterm(pool: Poo
     _placed_on_both(pool, 0, "2")
     pool.supervisor.stop_deadline = 100.0
     pool.members.agents[0].proc.code = 143  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     assert pool.killed_pids == []  # type: ignore[attr-defined]
 
 
@@ -287,7 +287,7 @@ def test_the_root_is_overwritten_once_per_launch(pool: Pool) -> None:
     pool._handle(pool.members.agents[0], {"op": "root_ready"})
     assert overwrite_answers(pool, 1) == [False]
     pool.members.agents[1].proc.code = -9  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     fresh = pool.members.agents[1]
     fresh.conn = FakeConn()  # type: ignore[assignment]
     pool._handle(fresh, {"op": "may_overwrite"})
@@ -298,7 +298,7 @@ def test_an_agent_lost_before_the_root_was_ready_passes_the_overwrite_on(pool: P
     pool._handle(pool.members.agents[0], {"op": "may_overwrite"})
     pool._handle(pool.members.agents[1], {"op": "may_overwrite"})
     pool.members.agents[0].proc.code = -9  # type: ignore[attr-defined]
-    pool._reap_agents()
+    pool.exits.reap_agents()
     assert overwrite_answers(pool, 1) == [True]
 
 
@@ -364,7 +364,7 @@ def test_a_trial_past_its_time_limit_has_its_ranks_stopped_and_is_reported_lost(
     assert sorted(pool.killed_pids) == sorted((r.proc.pid, 9) for r in ranks)  # type: ignore[attr-defined]
     for rank in ranks:
         rank.proc.code = -9  # type: ignore[attr-defined]
-    pool._reap_ranks(131.0)
+    pool.exits.reap_ranks(131.0)
     lost = [r for r in told(pool, 0) if r.get("op") == "outcome"]
     assert len(lost) == 1, told(pool, 0)
     assert lost[0]["lost"] == (

@@ -16,10 +16,10 @@ Why warm ranks and agents (docs/architecture.md, "Right-sized trials"): a fresh 
 costs ~7 s of CPU (imports) per trial, a warm one a few ms to join a new group; and a
 NePS worker that is not itself a rank can start its trial on any free ranks.
 
-This module is the loop: a rank whose trial did not end cleanly (a failure, a lost
-peer, an interrupt) is told to exit and a fresh one is started for its device; a rank
-that dies is replaced the same way (its trial's agent is told); an agent killed by a
-signal is replaced; when every agent has finished, the ranks are told to exit.
+This module is the loop: what the processes say is handled as it comes, their exits
+and silences by ``exits`` (a rank whose trial did not end cleanly, or that dies, is
+replaced by a fresh one for its device, its trial's agent told; an agent killed by a
+signal is replaced); when every agent has finished, the ranks are told to exit.
 SIGTERM/Ctrl-C go to every process, and whatever is left after ``--stop-timeout`` is
 SIGKILLed (found by the launch id).
 """
@@ -31,7 +31,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -42,10 +41,11 @@ from neps_bcast.launcher import status
 from neps_bcast.launcher.plan import TAG
 from neps_bcast.launcher.processes import Settings, Supervisor
 from neps_bcast.pool import beats
-from neps_bcast.pool.agent_lives import AgentLives, Overwrite
+from neps_bcast.pool.agent_lives import Overwrite
 from neps_bcast.pool.devices import Devices
 from neps_bcast.pool.endings import Endings
-from neps_bcast.pool.members import Member, Members, PoolPlan, exit_text
+from neps_bcast.pool.exits import Exits
+from neps_bcast.pool.members import Member, Members, PoolPlan
 from neps_bcast.pool.opening import Opening
 from neps_bcast.pool.trials import Trials
 
@@ -68,13 +68,20 @@ class Pool:
         self.trials = Trials(self.members, self.devices, self.display, self.supervisor.launch_id)
         self.endings = Endings(self.trials, self.display)
         self.overwrite = Overwrite()
-        self.agent_lives = AgentLives(self.display)
+        self.exits = Exits(
+            self.members,
+            self.trials,
+            self.endings,
+            self.devices,
+            self.supervisor,
+            self.display,
+            self.overwrite,
+            self._answer,
+            self._end,
+        )
         self.ended: str | None = None
         """Why the launcher ended the launch itself (no device left)."""
         self.beats: beats.Beats | None = None
-        self.silent: list[beats.Silent] = []
-        """Processes the beats' thread found silent, for the loop to end."""
-        self._silent_lock = threading.Lock()
 
     def run(self) -> int:
         self.plan.log_dir.mkdir(parents=True, exist_ok=True)
@@ -85,7 +92,7 @@ class Pool:
         folder = beats.folder_of(self.members.path)
         folder.mkdir()
         bound_s = config.Settings.from_env().peer_timeout_s
-        self.beats = beats.Beats(folder, beats.LAUNCHER, bound_s, self._found_silent)
+        self.beats = beats.Beats(folder, beats.LAUNCHER, bound_s, self.exits.found_silent)
         self.members.beats = self.beats
         where = f"devices {','.join(self.plan.devices)}" if self.plan.devices is not None else "CPU"
         self.display.say(
@@ -159,37 +166,16 @@ class Pool:
         for agent, yes in answers:
             self.members.tell(agent, {"op": "overwrite", "yes": yes})
 
-    def _found_silent(self, silent: beats.Silent) -> None:
-        """The beats' thread: a process of the pool is silent (the loop ends it)."""
-        with self._silent_lock:
-            self.silent.append(silent)
-
-    def _end_silent(self) -> None:
-        """SIGKILL each process found silent (frozen or hung: on this node it is ours to
-        end); its exit is then handled as a crash's (``_reap_agents``, ``_reap_ranks``)."""
-        with self._silent_lock:
-            found, self.silent = self.silent, []
-        for silent in found:
-            member = self.members.by_beat(silent.name)
-            if member is None or member.proc.poll() is not None:
-                continue
-            self.display.say(
-                f"{silent.describe()}: frozen or hung; SIGKILL to it, and its trial (if any)"
-                " goes back to pending. If it only stalls, raise NEPS_BCAST_PEER_TIMEOUT_S"
-                f" (now {silent.bound_s:g} s)."
-            )
-            member.proc.send_signal(signal.SIGKILL)
-
     def _step(self, now: float) -> bool:
         """One look at everything; False once every process has exited."""
         if self.signals.received and not self.supervisor.stopping:
             self._stop(now)
-        self._end_silent()
+        self.exits.end_silent()
         if self.supervisor.kill_if_due(now, self.members.running()):
             self.display.say("pool still running: SIGKILL to every process of the launch.")
         self.members.expire(now)
-        self._reap_agents()
-        self._reap_ranks(now)
+        self.exits.reap_agents()
+        self.exits.reap_ranks(now)
         self.endings.end_orphaned(now)
         if not self.supervisor.stopping:
             self.endings.end_overdue(now)
@@ -204,60 +190,6 @@ class Pool:
         line = self.trials.status()
         self.display.show([line], line, now, force=not running)
         return running
-
-    def _reap_agents(self) -> None:
-        for agent in list(self.members.agents.values()):
-            code = agent.proc.poll()
-            if code is None or agent.reaped:
-                continue
-            agent.reaped = True
-            self.members.hang_up(agent)
-            self.members.unwatch(agent)
-            self._answer(self.overwrite.gone(agent))
-            for order in self.trials.of_agent(agent.index):
-                if not order.ranks:  # still waiting: withdrawn
-                    self.trials.withdraw(order)
-                elif not order.answered and not self.supervisor.stopping:
-                    # Placed, no outcome yet (a stop's SIGTERM settles it instead).
-                    why = f"its agent {agent.index} {exit_text(code)} before its outcome"
-                    self.endings.stop_ranks_of(order, why)
-            ending = self.supervisor.stopping or self.supervisor.killed
-            if self.agent_lives.replace(agent, code, ending):
-                self.members.start("agent", agent.index)
-
-    def _reap_ranks(self, now: float) -> None:
-        for index, rank in list(self.members.ranks.items()):
-            code = rank.proc.poll()
-            if code is None or rank.reaped:
-                continue
-            rank.reaped = True
-            self.trials.hear(rank)  # its last words (an outcome) first
-            self.members.hang_up(rank)
-            self.members.unwatch(rank)
-            self.trials.placement.set_available(index, False)
-            order = self.trials.orders.get(rank.order) if rank.order is not None else None
-            if order is not None:
-                self.endings.rank_lost(order, rank, code, now)
-            if self.supervisor.stopping:
-                continue
-            if not rank.said_hello and not rank.retiring and self.devices.failed_start(rank, code):
-                self._retired(now)
-                continue  # no fresh rank for its device
-            if any(a.proc.poll() is None for a in self.members.agents.values()):
-                if not rank.retiring:
-                    self.display.say(
-                        f"rank {index} {exit_text(code)}: a fresh one takes its device."
-                    )
-                self.members.start("rank", index)
-
-    def _retired(self, now: float) -> None:
-        """A device was retired: trials that no longer fit are refused; with no device
-        left, the launch ends."""
-        for order in self.trials.waiting():
-            if order.size > self.devices.left():
-                self.trials.refuse(order)
-        if self.devices.left() == 0:
-            self._end(now, self.devices.none_left())
 
     def _stop(self, now: float) -> None:
         name = signal.Signals(self.signals.received[0]).name
@@ -284,9 +216,9 @@ class Pool:
         if self.ended is not None:
             self.display.say(self.ended)  # last: the reason the launch failed
             return 1
-        if not self.agent_lives.failed:
+        if not self.exits.agent_lives.failed:
             return 0
-        index, code = self.agent_lives.failed[0]
+        index, code = self.exits.agent_lives.failed[0]
         self.display.say(f"agent {index} failed first (exit {code}); see {self.plan.log_dir}/.")
         return code if code > 0 else 1
 
