@@ -180,12 +180,35 @@ class PoolCurve:
     more_agents: int = 0
     """Besides ``--pool D``, a pool launch with ``--agents D + more_agents`` (sampling ahead)."""
     fixed: tuple[tuple[int, int], ...] | None = None
-    """The fixed layouts (groups, ranks) to compare with; None: every one of D."""
+    """The fixed layouts (groups, ranks) to compare with; None: every feasible one of D
+    (``feasible``)."""
+    min_ranks: tuple[tuple[int, int], ...] | None = None
+    """A memory model: (up to this many epochs, the fewest ranks such a trial fits on),
+    ascending, as ``rule``; a trial given fewer ranks fails as out of memory
+    (workloads/pool_sim.py ``--min-ranks``). None: every trial fits on one rank."""
 
     @property
     def rule_arg(self) -> str:
         """``--rule`` of workloads/pool_sim.py: ``1:1,3:2,9:4``."""
         return ",".join(f"{bound}:{ranks}" for bound, ranks in self.rule)
+
+    @property
+    def min_ranks_arg(self) -> str | None:
+        """``--min-ranks`` of workloads/pool_sim.py (None: no memory model)."""
+        if self.min_ranks is None:
+            return None
+        return ",".join(f"{bound}:{ranks}" for bound, ranks in self.min_ranks)
+
+    @property
+    def widest_minimum(self) -> int:
+        """The most ranks any trial of the search needs to fit (1 without a memory model):
+        a fixed layout with fewer ranks per group cannot run the top rung."""
+        return max((ranks for _, ranks in self.min_ranks or ()), default=1)
+
+    def feasible(self, ranks_per_group: int) -> bool:
+        """Whether a fixed layout of groups of ``ranks_per_group`` runs every trial (in a
+        fixed layout every trial of a group runs on its N ranks)."""
+        return ranks_per_group >= self.widest_minimum
 
     def ranks_for(self, epochs: int) -> int:
         return next(ranks for bound, ranks in self.rule if epochs <= bound)
@@ -258,6 +281,23 @@ its turn at NePS's lock to sample (a GP fit of seconds on 2 cores) while its dev
 another search (each trial on more ranks)."""
 
 
+CURVE_D = PoolCurve(
+    name="D",
+    max_epochs=27,
+    fixed_epochs=1.0,
+    serial_fraction=0.02,
+    rule=((3, 1), (9, 2), (27, 4)),
+    evaluations=75,
+    min_ranks=((3, 1), (9, 2), (27, 4)),
+)
+"""Curve B's speedup (one epoch-time per trial that does not parallelize, Amdahl s = 0.02)
+with a memory model: a trial of 1 or 3 epochs fits on one device, one of 9 needs 2, one of
+27 needs 4 (memory that grows with the fidelity). So only the fixed layouts of >= 4 ranks
+per group are feasible (1x8, 2x4), and there every small trial runs 4 or 8 wide; the pool
+gives each trial its minimum width (rule and prediction in pool_bench.md, stated before
+measuring). 75 evaluations, as curve C (one whole hyperband iteration and 10 of the next)."""
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """The right-sized pool section (``run.py --full``, or ``--only pool``): per curve, one
@@ -286,6 +326,12 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
             PoolCurve("B", 27, 1.0, 0.02, ((3, 1), (9, 2), (27, 4)), 12),
             PoolCurve("BO", 8, 0.0, 0.1, ((8, 1),), 12, "bayesian_optimization", 8, 2, ((4, 1),)),
             PoolCurve("C", 27, 0.0, 0.01, ((1, 1), (3, 2), (9, 4), (27, 4)), 12),
+            replace(  # the widest minimum 2 of 4 devices: 1x4 and 2x2 feasible, 4x1 not
+                CURVE_D,
+                rule=((3, 1), (9, 2), (27, 2)),
+                evaluations=12,
+                min_ranks=((3, 1), (9, 2), (27, 2)),
+            ),
         ),
         runs=1,
         deadline_s=420,
@@ -297,7 +343,8 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
     "full": PoolConfig(
         devices=8,
         t_epoch=1.0,
-        curves=(CURVE_A, CURVE_B, CURVE_BO, CURVE_C4, CURVE_C),  # C last: the README's row
+        # D last: the README's row (where the pool pays)
+        curves=(CURVE_A, CURVE_B, CURVE_BO, CURVE_C4, CURVE_C, CURVE_D),
         runs=1,
         deadline_s=900,
     ),

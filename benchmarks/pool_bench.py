@@ -1,9 +1,10 @@
 """The right-sized pool section: ``--pool D`` against every fixed layout, one run, interleaved.
 
-Per stated speedup curve (``PoolConfig.curves``: A, B, then C), every launch runs
+Per stated speedup curve (``PoolConfig.curves``: A, B, BO, C4, C, then D), every launch runs
 ``workloads/pool_sim.py`` (a hyperband search on D simulated devices, see its docstring)
 under ``_supervise.py`` (``measurement.supervised``), with the same curve and budget:
-``neps-bcast launch --pool D`` and ``--groups G --nproc-per-group N`` for every G x N = D. What each launch recorded (the ranks' JSON
+``neps-bcast launch --pool D`` and ``--groups G --nproc-per-group N`` for every G x N = D
+(where the curve has a memory model, every feasible one: see ``fixed_keys``). What each launch recorded (the ranks' JSON
 lines, NePS's trial metadata, the pool agents' timed log lines) becomes one result per
 launch (``launch_figures``), then one summary per curve (``summarize_pool``). Measures only.
 
@@ -56,7 +57,18 @@ def pool_keys(curve: PoolCurve) -> list[str]:
 
 
 def fixed_keys(devices: int, curve: PoolCurve) -> list[str]:
-    return [layout_key(*layout) for layout in curve.fixed or fixed_layouts(devices)]
+    """The fixed layouts measured: the curve's own, or every feasible one of D (a layout
+    whose groups are narrower than the widest trial's memory minimum cannot run the
+    search: its top-rung trials fail as out of memory, so it is not measured)."""
+    layouts = curve.fixed or fixed_layouts(devices)
+    return [layout_key(*layout) for layout in layouts if curve.feasible(layout[1])]
+
+
+def infeasible_keys(devices: int, curve: PoolCurve) -> list[str]:
+    """The fixed layouts of D left out because some trial does not fit their groups."""
+    if curve.fixed is not None:
+        return []
+    return [layout_key(*each) for each in fixed_layouts(devices) if not curve.feasible(each[1])]
 
 
 def layout_order(devices: int, run_index: int, curve: PoolCurve) -> list[str]:
@@ -98,6 +110,7 @@ def command(key: str, folder: Path, config: PoolConfig, curve: PoolCurve) -> lis
         *("--t-epoch", str(config.t_epoch), "--serial-fraction", str(curve.serial_fraction)),
         *("--max-epochs", str(curve.max_epochs), "--fixed-epochs", str(curve.fixed_epochs)),
         *("--rule", curve.rule_arg),
+        *(("--min-ranks", curve.min_ranks_arg) if curve.min_ranks_arg else ()),
         *search,
     ]
 
@@ -165,6 +178,7 @@ def measure_layout(
         "curve": curve.name,
         **outcome(record, succeeded, curve.evaluations),
         "trials_recorded": len(trials),
+        "trials_out_of_memory": len({row["trial"] for row in rows if row["event"] == "oom"}),
         "left": len(record["left"]),
         **launch_figures(rows, trials, events, record, config, curve),
         **best_known(work_rows(rows), objectives),
@@ -175,7 +189,8 @@ def measure_layout(
     note = (
         f"search wall={fmt(result['search_wall_s'])}s util={fmt(result['utilization'], 2)}"
         f" best known at={fmt(result['time_to_best_s'])}s"
-        f" start-up={fmt(result['startup_s'])}s "
+        f" start-up={fmt(result['startup_s'])}s"
+        f" out of memory={result['trials_out_of_memory']} "
     )
     finish(name, record, result, raw_dir, note)
     return result
@@ -410,10 +425,12 @@ def measure_pool_section(config: PoolConfig, tmp: Path, raw_dir: Path = RAW) -> 
     (``layout_order``). Each launch's record names its ``curve``."""
     launches = []
     for curve in config.curves:
+        infeasible = infeasible_keys(config.devices, curve)
         progress(
             f"pool section, curve {curve.name}: {', '.join(pool_keys(curve))} vs"
             f" {', '.join(fixed_keys(config.devices, curve))},"
             f" {curve.evaluations} trials each, simulated devices"
+            + (f" ({', '.join(infeasible)}: infeasible, not measured)" if infeasible else "")
         )
         launches += [
             measure_layout(key, config, curve, f"pool{curve.name}{run_index}", tmp, raw_dir)
@@ -506,6 +523,7 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
             if completed
             else {},
             left=sum(run["left"] for run in runs),
+            trials_out_of_memory=sum(run.get("trials_out_of_memory", 0) for run in runs),
             errors=sorted({run["error"] for run in runs if run["error"]}),
         )
         layouts[key] = entry
@@ -551,6 +569,8 @@ def summarize_curve(launches: list[Record], config: PoolConfig, curve: PoolCurve
         "fixed_epochs": curve.fixed_epochs,
         "serial_fraction": curve.serial_fraction,
         "rule": [list(step) for step in curve.rule],
+        "min_ranks": None if curve.min_ranks is None else [list(s) for s in curve.min_ranks],
+        "infeasible": infeasible_keys(config.devices, curve),
         "optimizer": curve.optimizer,
         "epochs": curve.epochs,
         "runs": config.runs,

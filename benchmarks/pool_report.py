@@ -2,7 +2,8 @@
 
 ``pool_section`` renders the section from ``summary["pool"]`` (``pool_bench.summarize_pool``:
 one summary per speedup curve); ``pool_headline_row`` is the one row the README can copy
-(the last curve's: C, wide trials as cheap as narrow ones); ``save_pool_plots`` draws,
+(the last curve's: D, where memory forces the widths, the case the pool exists for);
+``save_pool_plots`` draws,
 per curve, device occupancy over time (one row per device, one colour per trial) of the pool
 and the best fixed layout to ``results/pool_occupancy_<curve>.png``.
 """
@@ -53,7 +54,8 @@ def mix_text(mix: dict[str, int]) -> str:
 
 
 def curve_text(pool: Summary) -> str:
-    """``Amdahl s = 0.02 per epoch + 1 epoch-time per trial, epochs 1..27``."""
+    """``Amdahl s = 0.02 per epoch + 1 epoch-time per trial, epochs 1..27`` (and the
+    memory model's minimum widths, where the curve has one)."""
     fixed = pool["fixed_epochs"]
     epochs = pool.get("epochs")
     return (
@@ -61,6 +63,34 @@ def curve_text(pool: Summary) -> str:
         + (f" + {fixed:g} epoch-time per trial (not parallel)" if fixed else "")
         + (f", epochs 1..{pool['max_epochs']}" if epochs is None else "")
         + (f", {epochs} epochs every trial (no fidelity)" if epochs else "")
+        + (f", memory: {memory_text(pool)}" if pool.get("min_ranks") else "")
+    )
+
+
+def memory_text(pool: Summary) -> str:
+    """``9 epochs need >= 2 devices, 27 need >= 4``: the steps of the memory model above
+    one device."""
+    steps = [(bound, ranks) for bound, ranks in pool.get("min_ranks") or () if ranks > 1]
+    parts = [f"{bound} need >= {ranks}" for bound, ranks in steps]
+    if parts:
+        parts[0] = parts[0].replace(" need", " epochs need") + " devices"
+    return ", ".join(parts) or "every trial fits on one device"
+
+
+def feasibility_text(pool: Summary) -> str:
+    """Under a curve with a memory model: which fixed layouts were left out and why, and
+    how many trials ran out of memory in the launches measured."""
+    if not pool.get("min_ranks"):
+        return ""
+    widest = max(ranks for _, ranks in pool["min_ranks"])
+    left_out = ", ".join(key.replace("x", " x ") for key in pool.get("infeasible", []))
+    failed = sum(entry.get("trials_out_of_memory", 0) for entry in pool["layouts"].values())
+    return (
+        f"Memory: {memory_text(pool)}; a trial on fewer fails as out of memory"
+        f" (`--min-ranks`). A fixed layout runs every trial on its groups' N ranks, so only"
+        f" N >= {widest} is feasible; {left_out or 'none'} left out, not measured (their"
+        f" top-rung trials would crash, and a search with crashed trials is no comparison)."
+        f" Trials that ran out of memory in the launches above: {failed}.\n\n"
     )
 
 
@@ -252,7 +282,7 @@ with t_epoch = {pool["t_epoch"]:g} s, s = {pool["serial_fraction"]:g}. {search_t
 
 {layouts_table(pool)}
 
-Starting a trial (per trial, medians; "after first trials" leaves out every trial with a
+{feasibility_text(pool)}Starting a trial (per trial, medians; "after first trials" leaves out every trial with a
 rank that had trained nothing before):
 
 {starts_table(pool)}
@@ -270,7 +300,8 @@ def pool_section(summary: Summary, note: str = "") -> str:
     return f"""## Right-sized pool vs fixed layouts ({devices} simulated devices)
 
 {note + chr(10) + chr(10) if note else ""}`neps-bcast launch --pool {devices}` against every fixed `--groups G --nproc-per-group N`
-with G x N = {devices}, per speedup curve ({names}) one launch each, interleaved, the same
+with G x N = {devices} (under a memory model, curve D: every feasible one, whose groups
+hold the widest trial), per speedup curve ({names}) one launch each, interleaved, the same
 search (`benchmarks/workloads/pool_sim.py`): NePS `optimizer=("hyperband", {{"eta": 3}})`
 over one float and the fidelity `epochs` (curve BO: Bayesian optimization without a
 fidelity, with a second pool launch that samples ahead), a budget of `total_evaluations_to_spend` trials

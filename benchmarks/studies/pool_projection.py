@@ -1,7 +1,7 @@
 """The pool against fixed layouts at real trial lengths (epochs of minutes): a projection
 from the placement model, with the per-trial costs measured at bench scale.
 
-    .venv/bin/python benchmarks/studies/pool_projection.py                  # curves A, B, C; 1 s and 60 s epochs
+    .venv/bin/python benchmarks/studies/pool_projection.py                  # curves A, B, C, D; 1 s and 60 s epochs
     .venv/bin/python benchmarks/studies/pool_projection.py --t-epoch 1 60 600 --gap 0.55
 
 Why: ``make bench-full`` measures with 1 s epochs on a loaded 2-core machine, where a
@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the pipeline's curves
 
-from configuration import CURVE_A, CURVE_B, CURVE_C, PoolCurve, fixed_layouts
+from configuration import CURVE_A, CURVE_B, CURVE_C, CURVE_D, PoolCurve, fixed_layouts
 from neps_bcast.pool.placement import Placement
 
 START_S = {1: 0.006, 2: 0.144, 4: 0.187, 8: 0.252}
@@ -47,7 +47,7 @@ START_S = {1: 0.006, 2: 0.144, 4: 0.187, 8: 0.252}
 medians at load (pool_bench.md; 8 ranks: curve B)."""
 FIXED_START_S = 0.030
 """A fixed layout's start (NePS start -> last rank in the function), the bench's median."""
-CURVES = {c.name: c for c in (CURVE_A, CURVE_B, CURVE_C)}
+CURVES = {c.name: c for c in (CURVE_A, CURVE_B, CURVE_C, CURVE_D)}
 
 
 def hyperband_epochs(curve: PoolCurve) -> list[int]:
@@ -144,7 +144,8 @@ def fixed(
 def project(curve: PoolCurve, devices: int, t_epoch: float, gap: float, epochs: list[int]) -> str:
     rows = {"pool": pool(epochs, curve, devices, t_epoch, gap)}
     for groups, ranks in fixed_layouts(devices):
-        rows[f"{groups} x {ranks}"] = fixed(epochs, curve, groups, ranks, t_epoch, gap)
+        if curve.feasible(ranks):  # curve D: narrower groups cannot hold the top rung
+            rows[f"{groups} x {ranks}"] = fixed(epochs, curve, groups, ranks, t_epoch, gap)
     best = min(o.wall for k, o in rows.items() if k != "pool")
     lines = [
         f"curve {curve.name}, {len(epochs)} trials, t_epoch {t_epoch:g} s, gap {gap:g} s:",

@@ -22,6 +22,13 @@ trial is right-sized by its fidelity (``--rule``, default ``1:1,3:2,9:4``: 1 ran
 epoch, 2 up to 3, 4 up to 9; the last bound must reach ``--max-epochs``); under
 ``--groups`` every trial of a group runs on that group's N ranks.
 
+Memory (``--min-ranks``, same form as ``--rule``, default none: every trial fits on one
+rank): a trial of e epochs needs at least that many ranks to fit in its devices' memory.
+On fewer, every rank of it raises ``torch.OutOfMemoryError`` at its first step, as a real
+trial that does not fit would, so NePS records it crashed: a fixed layout too narrow for
+the top rung cannot finish the search (and its crashed trials are no result). A ``--rule``
+that gives some trial fewer ranks than its minimum is refused at the start.
+
 Measurement hooks (not what a user writes): every process appends JSON lines to
 ``<records>/<pid>.jsonl``: ``ready`` once it has imported torch and NePS, and one
 ``trial`` line per trial it trained (trial id, rank, world size, device, epochs, and the
@@ -88,6 +95,13 @@ def ranks_for(epochs: int) -> int:
     return next(ranks for bound, ranks in ARGS.rule if epochs <= bound)
 
 
+def min_ranks_for(epochs: int) -> int:
+    """The fewest ranks a trial of ``epochs`` fits on (``--min-ranks``; 1 without it)."""
+    if ARGS.min_ranks is None:
+        return 1
+    return next((ranks for bound, ranks in ARGS.min_ranks if epochs <= bound), 1)
+
+
 def record(event: str, **data: object) -> None:
     folder = Path(ARGS.records)
     line = {"event": event, "pid": os.getpid(), **data}
@@ -109,6 +123,12 @@ def evaluate_pipeline(x: float, epochs: int) -> float:
     dist.init_process_group("gloo")  # torchrun's variables, as PyTorch's DDP tutorial
     with neps_bcast.session() as trial:
         rank, world = dist.get_rank(), dist.get_world_size()
+        needed = min_ranks_for(epochs)
+        if world < needed:  # the model and its activations do not fit on `world` devices
+            record("oom", trial=trial.id, rank=rank, world=world, epochs=epochs, needs=needed)
+            raise torch.OutOfMemoryError(
+                f"simulated: a trial of {epochs} epochs needs >= {needed} devices, got {world}"
+            )
         seconds = epoch_seconds(world)
         tensor = torch.zeros(1)
         start = time.time()
@@ -192,6 +212,13 @@ def main() -> None:
         help="pool only: EPOCHS:RANKS,... a trial's ranks by its epochs (first bound not exceeded)",
     )
     parser.add_argument(
+        "--min-ranks",
+        type=parse_rule,
+        default=None,
+        help="memory: EPOCHS:RANKS,... the fewest ranks a trial fits on (first bound not"
+        " exceeded; beyond the last bound 1); on fewer it fails as out of memory",
+    )
+    parser.add_argument(
         "--optimizer",
         default="hyperband",
         help="NePS optimizer: hyperband (over the fidelity epochs, eta 3), or one without a"
@@ -213,6 +240,9 @@ def main() -> None:
     most = ARGS.max_epochs if ARGS.epochs is None else ARGS.epochs
     if ARGS.rule[-1][0] < most:
         parser.error(f"--rule's last bound {ARGS.rule[-1][0]} < the most epochs, {most}")
+    short = [e for e in range(MIN_EPOCHS, most + 1) if ranks_for(e) < min_ranks_for(e)]
+    if short:
+        parser.error(f"--rule gives a trial of {short[0]} epochs fewer ranks than --min-ranks")
     if (ARGS.epochs is None) != (ARGS.optimizer == "hyperband"):
         parser.error("--epochs goes with an optimizer without a fidelity, and only then")
     if ARGS.preimport_lightning:
