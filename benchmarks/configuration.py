@@ -339,7 +339,7 @@ POOL_CONFIGS: dict[Mode, PoolConfig] = {
     # make bench-full: curve A 8-17 min on 2 cores (by the load of the machine), most of it
     # the launches' start-up (up to 16 processes importing torch and NePS), left out of every
     # search wall; curves B and C longer (search walls ~50-150 s, calculations in
-    # pool_bench.md).
+    # pool_bench.md); curve D 8.5 min (three launches, search walls 72-167 s).
     "full": PoolConfig(
         devices=8,
         t_epoch=1.0,

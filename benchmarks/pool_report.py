@@ -89,7 +89,8 @@ def feasibility_text(pool: Summary) -> str:
         f"Memory: {memory_text(pool)}; a trial on fewer fails as out of memory"
         f" (`--min-ranks`). A fixed layout runs every trial on its groups' N ranks, so only"
         f" N >= {widest} is feasible; {left_out or 'none'} left out, not measured (their"
-        f" top-rung trials would crash, and a search with crashed trials is no comparison)."
+        f" widest trials would run out of memory, and NePS, raising on a trial's error by"
+        f" default, would stop the search there)."
         f" Trials that ran out of memory in the launches above: {failed}.\n\n"
     )
 

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --quick   # make bench (~7 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full    # make bench-full (~26 min + the pool)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --only groups   # one section (~2 min)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (35-55 min)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --save   # (45-65 min)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/run.py --full --only pool --curves B --save
 
 Writes ``summary_<mode>.json``, ``REPORT.md`` and the PNG plots to ``benchmarks/results/``
