@@ -51,7 +51,7 @@ from neps_bcast.transport.messages import (
     encode,
 )
 from neps_bcast.transport.steps import KIND, Steps
-from neps_bcast.trial import TrialRun
+from neps_bcast.trial.run import TrialRun
 
 
 class Space(neps.PipelineSpace):
@@ -644,7 +644,7 @@ def test_the_public_names_stay_themselves_once_every_submodule_is_imported() -> 
         "for m in pkgutil.walk_packages(neps_bcast.__path__, 'neps_bcast.'):\n"
         "    if not m.name.startswith('neps_bcast.launcher.'):\n"
         "        importlib.import_module(m.name)\n"
-        "from neps_bcast.trial_session import Trial, session\n"
+        "from neps_bcast.trial.session import Trial, session\n"
         "from neps_bcast.api import run\n"
         "assert (neps_bcast.session, neps_bcast.Trial, neps_bcast.run) == (session, Trial, run), "
         "(neps_bcast.session, neps_bcast.Trial, neps_bcast.run)\n"

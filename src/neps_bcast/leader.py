@@ -30,7 +30,7 @@ from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import raise_waiting_sigterm, stop_signals, wait_with_sigterm
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
-from neps_bcast.trial import Outcome, running
+from neps_bcast.trial.run import Outcome, running
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""

@@ -2,9 +2,9 @@
 
 A ``Runtime`` ties together who this rank is (``launch``, ``settings``), its link to the
 group (``link``: store and channel), the user's DDP group (``group``) and the trial being
-evaluated (``trial.running()``). It sends and receives the leader's
-messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py``
-(forming and releasing the user's group in ``trial_forming`` and ``trial_failure``),
+evaluated (``trial.run.running()``). It sends and receives the leader's
+messages and gathers the ranks' reports; the per-trial protocol is in ``trial/run.py``
+(forming and releasing the user's group in ``trial.forming`` and ``trial.failure``),
 and the first trial of a Lightning leader's children in ``lightning_children``.
 """
 
