@@ -26,7 +26,7 @@ from neps.state.neps_state import NePSState
 
 import neps_bcast
 from harness import LAUNCH_VARS
-from neps_bcast import leader_trial, runtime
+from neps_bcast import runtime
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
@@ -37,7 +37,8 @@ from neps_bcast.errors import (
     TrialFailedError,
     TrialMismatchError,
 )
-from neps_bcast.follower import follow
+from neps_bcast.roles import leader_trial
+from neps_bcast.roles.follower import follow
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, channel_context
 from neps_bcast.transport.channel import Channel, ChannelClosedError
@@ -714,7 +715,7 @@ def test_a_follower_acts_on_the_leaders_slot_and_the_leader_checks_every_slot() 
 
 LOST_LEADER_EXIT = """
 import sys
-from neps_bcast import follower
+from neps_bcast.roles import follower
 
 
 class Meta(type):
