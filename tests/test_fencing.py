@@ -1,6 +1,6 @@
 """One result per trial across hosts: leases judged without comparing two hosts' clocks,
 and a leader whose attempt was taken over fenced off (``recovery/lease.py``,
-``recovery/hand_back.py``, ``lease_record.why_dead``). On real lease files; the hosts
+``recovery/hand_back.py``, ``launcher.lease_record.why_dead``). On real lease files; the hosts
 with shifted clocks and the zombie are in tests/hosts.
 """
 

@@ -29,7 +29,7 @@ from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer
 from neps_bcast.transport.messages import Phase, Report, TrialMessage, decode, encode
-from neps_bcast.trial import Outcome, TrialRun, evaluate_once
+from neps_bcast.trial.run import Outcome, TrialRun, evaluate_once
 
 
 class OneRankChannel:

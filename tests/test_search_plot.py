@@ -25,7 +25,7 @@ from matplotlib.colors import to_rgba
 from neps_bcast import cli
 from neps_bcast.config import Settings
 from neps_bcast.launcher import search_plot, search_status, trial_placement
-from neps_bcast.lease_record import LEASE_FILE, Attempt, Lease, Owner, parse_lease
+from neps_bcast.launcher.lease_record import LEASE_FILE, Attempt, Lease, Owner, parse_lease
 from neps_bcast.recovery.hand_back import where_it_ran
 from neps_bcast.recovery.lease_file import write_lease
 

@@ -25,7 +25,7 @@ from neps_bcast import cli
 from neps_bcast.compat import procfs
 from neps_bcast.config import Settings
 from neps_bcast.launcher import search_status, search_text, trial_placement
-from neps_bcast.lease_record import Attempt, Lease, Owner
+from neps_bcast.launcher.lease_record import Attempt, Lease, Owner
 from neps_bcast.recovery.lease_file import write_lease
 
 

@@ -26,7 +26,7 @@ from neps.state.neps_state import NePSState
 
 import neps_bcast
 from harness import LAUNCH_VARS
-from neps_bcast import leader_trial, runtime
+from neps_bcast import runtime
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import ENV_FIRST_SEQ, ENV_LEADER
 from neps_bcast.errors import (
@@ -37,7 +37,8 @@ from neps_bcast.errors import (
     TrialFailedError,
     TrialMismatchError,
 )
-from neps_bcast.follower import follow
+from neps_bcast.roles import leader_trial
+from neps_bcast.roles.follower import follow
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport.auth import Signer, channel_context
 from neps_bcast.transport.channel import Channel, ChannelClosedError
@@ -51,7 +52,7 @@ from neps_bcast.transport.messages import (
     encode,
 )
 from neps_bcast.transport.steps import KIND, Steps
-from neps_bcast.trial import TrialRun
+from neps_bcast.trial.run import TrialRun
 
 
 class Space(neps.PipelineSpace):
@@ -644,7 +645,7 @@ def test_the_public_names_stay_themselves_once_every_submodule_is_imported() -> 
         "for m in pkgutil.walk_packages(neps_bcast.__path__, 'neps_bcast.'):\n"
         "    if not m.name.startswith('neps_bcast.launcher.'):\n"
         "        importlib.import_module(m.name)\n"
-        "from neps_bcast.trial_session import Trial, session\n"
+        "from neps_bcast.trial.session import Trial, session\n"
         "from neps_bcast.api import run\n"
         "assert (neps_bcast.session, neps_bcast.Trial, neps_bcast.run) == (session, Trial, run), "
         "(neps_bcast.session, neps_bcast.Trial, neps_bcast.run)\n"
@@ -714,7 +715,7 @@ def test_a_follower_acts_on_the_leaders_slot_and_the_leader_checks_every_slot() 
 
 LOST_LEADER_EXIT = """
 import sys
-from neps_bcast import follower
+from neps_bcast.roles import follower
 
 
 class Meta(type):

@@ -17,15 +17,15 @@ from neps_bcast.errors import NepsBcastError
 
 if TYPE_CHECKING:
     from neps_bcast.api import run
-    from neps_bcast.trial_session import Trial, session
+    from neps_bcast.trial.session import Trial, session
 
 __all__ = ["NepsBcastError", "Trial", "run", "session"]
 __version__ = "0.1.0"
 
 _LAZY = {
     "run": "neps_bcast.api",
-    "Trial": "neps_bcast.trial_session",
-    "session": "neps_bcast.trial_session",
+    "Trial": "neps_bcast.trial.session",
+    "session": "neps_bcast.trial.session",
 }
 
 

@@ -11,17 +11,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from neps_bcast import leader
 from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.config import INTERNAL, Settings
 from neps_bcast.ddp.teardown import free_trials_at_exit
 from neps_bcast.errors import NepsBcastError, format_message
-from neps_bcast.follower import run_follower
 from neps_bcast.log import role_tag
 from neps_bcast.pool import agent as pool_agent
 from neps_bcast.pool import rank as pool_rank
 from neps_bcast.pool import wire
+from neps_bcast.roles import leader
+from neps_bcast.roles.follower import run_follower
 from neps_bcast.runtime import Runtime, active
 from neps_bcast.startup.launch import Launch, detect, pool_member
 from neps_bcast.startup.rendezvous import fingerprint

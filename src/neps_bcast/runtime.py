@@ -2,10 +2,10 @@
 
 A ``Runtime`` ties together who this rank is (``launch``, ``settings``), its link to the
 group (``link``: store and channel), the user's DDP group (``group``) and the trial being
-evaluated (``trial.running()``). It sends and receives the leader's
-messages and gathers the ranks' reports; the per-trial protocol is in ``trial.py``
-(forming and releasing the user's group in ``trial_forming`` and ``trial_failure``),
-and the first trial of a Lightning leader's children in ``lightning_children``.
+evaluated (``trial.run.running()``). It sends and receives the leader's
+messages and gathers the ranks' reports; the per-trial protocol is in ``trial/run.py``
+(forming and releasing the user's group in ``trial.forming`` and ``trial.failure``),
+and the first trial of a Lightning leader's children in ``startup.lightning_children``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from neps_bcast import faults, lightning_children
+from neps_bcast import faults
 from neps_bcast.compat import procfs
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.torch import Store
@@ -34,7 +34,7 @@ from neps_bcast.errors import (
 )
 from neps_bcast.log import exit_now, logger, role_tag, tagged
 from neps_bcast.recovery.signals import indivisible
-from neps_bcast.startup import external
+from neps_bcast.startup import external, lightning_children
 from neps_bcast.startup.launch import Launch
 from neps_bcast.transport import liveness, peers, sockets
 from neps_bcast.transport.auth import Signer, new_secret

@@ -245,7 +245,7 @@ class TestTheLeaderKilledWhileLightningsChildIsStarting(LeaderKilledChecks):
         self, launch: Result
     ) -> None:
         """Its last line of Python to its process gone: the follower's exit freezes what
-        it imported out of the final collection (neps_bcast.follower._freeze_at_exit),
+        it imported out of the final collection (neps_bcast.roles.follower._freeze_at_exit),
         which took 2.5 to 7 s under load before. Checked by the path its exit took (the
         probe's "exit_path" record), not by seconds a loaded machine stretches; and the
         kernel heard it end with the code it recorded (LaunchChecks)."""

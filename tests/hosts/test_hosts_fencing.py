@@ -64,7 +64,7 @@ from harness import (
     states,
 )
 from neps_bcast.compat import procfs
-from neps_bcast.lease_record import Lease, parse_lease
+from neps_bcast.launcher.lease_record import Lease, parse_lease
 
 GRACE_S = 6.0
 """``NEPS_BCAST_LEASE_GRACE_S`` in every cell (the library's default is 300 s)."""

@@ -542,7 +542,7 @@ def _exit_path() -> None:
     """Which way this interpreter leaves (registered at import, so it runs after every
     handler neps_bcast registers): ``gc_frozen`` counts the objects frozen out of the
     final collection, non-zero once a follower's ``_freeze_at_exit``
-    (neps_bcast.follower) ran. A test checks that the fast exit path ran instead of
+    (neps_bcast.roles.follower) ran. A test checks that the fast exit path ran instead of
     timing the exit, which a loaded machine stretches (2.5 to 7 s at load 10)."""
     import gc
 

@@ -6,7 +6,7 @@ device and the trial on it. Not to be confused with ``status.py``, the status li
 running ``neps-bcast launch`` prints about its own groups.
 
 Why it can run anywhere, at any time: it reads NePS's files (``compat/neps_files.py``),
-the trials' leases (``neps_bcast.lease_record``) and a pool's placements
+the trials' leases (``lease_record.py``) and a pool's placements
 (``trial_placement.py``) without importing NePS or torch and without taking any lock, so
 it never holds up a search (a lock would make every worker wait while it reads a
 thousand trials) and works from an account or node that can only read the root. Leases
@@ -32,7 +32,7 @@ from neps_bcast.compat import neps_files
 from neps_bcast.config import Settings
 from neps_bcast.errors import LaunchError, format_message
 from neps_bcast.launcher import trial_placement
-from neps_bcast.lease_record import LEASE_FILE, Lease, Owner, parse_lease, why_dead
+from neps_bcast.launcher.lease_record import LEASE_FILE, Lease, Owner, parse_lease, why_dead
 
 TAG = "neps_bcast status"
 DEFAULT_ROOT = "neps_results"

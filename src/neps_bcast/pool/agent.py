@@ -34,7 +34,7 @@ from neps_bcast.recovery.signals import Terminated
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage, encode
 from neps_bcast.transport.store import serve as serve_store
-from neps_bcast.trial import Outcome
+from neps_bcast.trial.run import Outcome
 
 RanksPerTrial = Callable[[dict[str, Any]], int]
 

@@ -48,7 +48,7 @@ from neps_bcast.runtime import Runtime
 from neps_bcast.startup.launch import detect
 from neps_bcast.transport.auth import Signer, new_secret
 from neps_bcast.transport.messages import TrialMessage, decode
-from neps_bcast.trial import evaluate_once
+from neps_bcast.trial.run import evaluate_once
 
 TORCHRUN_VARIABLES = (
     "MASTER_ADDR",

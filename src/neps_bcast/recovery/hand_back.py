@@ -1,6 +1,6 @@
 """Handing a trial back to NePS: an orphan of a dead owner, or a leader's own trial.
 
-Whose trial is orphaned is decided by its lease (``lease_record.why_dead``); what becomes
+Whose trial is orphaned is decided by its lease (``launcher.lease_record.why_dead``); what becomes
 of a trial handed back is decided here, the same for both: its interruption is added to
 the lease's history, and the trial goes back to ``pending``, or is recorded ``crashed``
 once it was interrupted more than ``NEPS_BCAST_MAX_RETRIES`` times (``lease`` says why).

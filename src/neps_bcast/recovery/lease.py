@@ -54,7 +54,7 @@ from neps_bcast import faults
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_trials
 from neps_bcast.config import Settings
-from neps_bcast.lease_record import parse_lease
+from neps_bcast.launcher.lease_record import parse_lease
 from neps_bcast.log import logger
 from neps_bcast.recovery.hand_back import HandBack
 from neps_bcast.recovery.lease_file import (

@@ -1,8 +1,8 @@
 """A leader's side of the lease file: its lock, its atomic write, a read that logs.
 
 The data half of ``lease.py``. What a lease says (owner, attempts, ranks) and the rules
-that decide an owner is gone live one layer lower, in ``neps_bcast.lease_record``, which
-``neps-bcast status`` reads too; they are re-exported here for the leader's modules.
+that decide an owner is gone live one layer lower, in ``neps_bcast.launcher.lease_record``,
+which ``neps-bcast status`` reads too; they are re-exported here for the leader's modules.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from neps_bcast.compat import neps as neps_compat
-from neps_bcast.lease_record import (
+from neps_bcast.launcher.lease_record import (
     LEASE_FILE,
     OURS_PREFIX,
     WORKER_PREFIX,

@@ -1,12 +1,14 @@
 """What a lease on a running trial says, read without any lock, torch or NePS.
 
-Why a module of its own, below ``recovery/``: the leaders that write leases
-(``recovery/lease.py``, ``lease_file.py``) and ``neps-bcast status`` that only reads them
-(from any node, while the search runs: ``launcher/search_status.py``) must agree on one
-format and on one rule for when an owner is gone, and the launch command may not import
-a rank's machinery (the layering contract in pyproject.toml). Nothing here locks or
-writes: a lease file is replaced atomically (``lease_file.write_lease``), so a reader
-sees the old lease or the new one.
+Why a module of its own, in ``launcher/`` and not in ``recovery/``: the leaders that
+write leases (``recovery/lease.py``, ``lease_file.py``) and ``neps-bcast status`` that
+only reads them (from any node, while the search runs: ``launcher/search_status.py``)
+must agree on one format and on one rule for when an owner is gone, and the launch
+command may not import a rank's machinery (the contracts in pyproject.toml). The leaders
+read it from here as they read a pool's ``trial_placement.py``; it imports nothing of
+ours but ``compat/procfs.py`` (the layers contract keeps it on the base layer). Nothing
+here locks or writes: a lease file is replaced atomically (``lease_file.write_lease``),
+so a reader sees the old lease or the new one.
 """
 
 from __future__ import annotations

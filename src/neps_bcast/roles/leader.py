@@ -22,15 +22,15 @@ from neps_bcast.compat import lightning as lightning_compat
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.compat import neps_run
 from neps_bcast.errors import NepsBcastError, first_line
-from neps_bcast.leader_trial import RunTrial, SearchAborted, TrialPutBack, wrap
 from neps_bcast.log import exit_now
 from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import next_worker_id
 from neps_bcast.recovery.root_lock import RootGuard
 from neps_bcast.recovery.signals import raise_waiting_sigterm, stop_signals, wait_with_sigterm
+from neps_bcast.roles.leader_trial import RunTrial, SearchAborted, TrialPutBack, wrap
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
-from neps_bcast.trial import Outcome, running
+from neps_bcast.trial.run import Outcome, running
 
 RECORD_GRACE_S = 10.0
 """How long Lightning's observer waits for the leader to record a trial before killing."""

@@ -4,10 +4,10 @@ Every rank, leader and follower alike, evaluates a trial the same way
 (``evaluate_once``): it calls the user's function; inside it, ``session()`` meets the
 other ranks (``TrialRun.enter_session``: every rank must hold the same trial); if any
 rank raises, it publishes its error on the error board and releases the group
-(``TrialRun.fail``, with ``trial_failure``), so peers blocked in the user's collectives
+(``TrialRun.fail``, with ``trial.failure``), so peers blocked in the user's collectives
 fail at once; and at the end every rank reports how its function ended
 (``TrialRun.end``), so every rank learns every failure of the trial, root cause first.
-Where the trial needs the user's group formed first, ``trial_forming`` forms it.
+Where the trial needs the user's group formed first, ``trial.forming`` forms it.
 
 Ranks may reach different points after a failure (one raised before its session while
 the others entered theirs): each exchange carries its ``Phase``, and a rank that sees a
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from neps_bcast import faults, trial_failure, trial_forming
+from neps_bcast import faults
 from neps_bcast.compat.neps import INJECTED_ARGUMENTS
 from neps_bcast.compat.torch import release_destroyed_groups
 from neps_bcast.ddp.teardown import Freed, trial_starts
@@ -42,6 +42,7 @@ from neps_bcast.recovery.signals import indivisible, preemption
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport import liveness
 from neps_bcast.transport.messages import Phase, Report, TrialMessage
+from neps_bcast.trial import failure, forming
 
 
 class TrialRun:
@@ -91,7 +92,7 @@ class TrialRun:
         # of the trial is signed with it (a rank that raised before forming kept the
         # old one, and its trial-end exchange was refused as forged: the fault sweep).
         self.rt.group.generation = generation
-        trial_forming.reform(self.rt, generation)
+        forming.reform(self.rt, generation)
         reports = self.rt.exchange(self._report(Phase.GROUP_FORMED))
         if reports is not None:
             self._check_meeting(reports, Phase.GROUP_FORMED)
@@ -114,8 +115,8 @@ class TrialRun:
 
     def _form_group_if_none(self, reports: list[Report]) -> None:
         """External launches: form a group now if no rank's code formed one
-        (``trial_forming.form_if_none``)."""
-        if trial_forming.form_if_none(self.rt, self.message.seq, reports):
+        (``trial.forming.form_if_none``)."""
+        if forming.form_if_none(self.rt, self.message.seq, reports):
             self.formed_group = True
 
     def _check_meeting(self, reports: list[Report], phase: Phase) -> None:
@@ -144,16 +145,16 @@ class TrialRun:
     def fail(self, exc: BaseException) -> list[ErrorRecord]:
         """This rank raised: publish it, release the peers, return every known failure."""
         rt = self.rt
-        record = trial_failure.record(rt, exc)
+        record = failure.record(rt, exc)
         self.mine = record
         rt.log(logging.ERROR, "trial %s raised %s", self.message.trial_id, first_line(exc))
-        board = trial_failure.board(rt)
+        board = failure.board(rt)
         if board is not None and not self._published:
             self._published = True
-            trial_failure.publish(rt, board, self.message.seq, record)
+            failure.publish(rt, board, self.message.seq, record)
         if (rt.world_size or 0) > 1 or rt.group.exists():
-            trial_failure.release_group(rt, exc)
-        published = trial_failure.published(rt, self.message.seq)
+            failure.release_group(rt, exc)
+        published = failure.published(rt, self.message.seq)
         others = [r for r in published if r.group_rank != rt.group_rank]
         return sort_records([record, *others])
 
@@ -172,7 +173,7 @@ class TrialRun:
             if not records and any(r.phase != Phase.TRIAL_END for r in reports):
                 records = [self._mismatch(reports)]
         if records and (self.rt.world_size or 0) > 1 and not self.rt.group.broken:
-            trial_failure.release_group(self.rt)
+            failure.release_group(self.rt)
         return sort_records(records)
 
     def interrupted(self, exc: BaseException) -> None:
@@ -183,11 +184,11 @@ class TrialRun:
             self.end(exc)
 
     def _mismatch(self, reports: list[Report]) -> ErrorRecord:
-        return trial_failure.mismatch(self.rt, self.message.trial_id, reports)
+        return failure.mismatch(self.rt, self.message.trial_id, reports)
 
     def failed_error(self, records: list[ErrorRecord]) -> TrialFailedError:
         return TrialFailedError(
-            trial_failure.failed_text(self.rt, records, self.message.trial_id), failures=records
+            failure.failed_text(self.rt, records, self.message.trial_id), failures=records
         )
 
 

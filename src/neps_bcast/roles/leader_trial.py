@@ -31,7 +31,7 @@ from neps_bcast.recovery.lease import Leases, left_by_earlier_attempts
 from neps_bcast.recovery.signals import indivisible, raise_waiting_sigterm, wait_with_sigterm
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import TrialMessage
-from neps_bcast.trial import Outcome, evaluate_once
+from neps_bcast.trial.run import Outcome, evaluate_once
 
 RunTrial = Callable[[Runtime, TrialMessage], Outcome]
 """Where a trial runs when not here: a pool's agent hands it to the ranks it is given

@@ -12,7 +12,7 @@ from typing import Any
 from neps_bcast import runtime as _runtime
 from neps_bcast.compat.torch import is_second_default_group
 from neps_bcast.errors import NepsBcastError, SessionError, format_message
-from neps_bcast.trial import running
+from neps_bcast.trial.run import running
 
 
 @dataclass(frozen=True)

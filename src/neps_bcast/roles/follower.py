@@ -22,7 +22,7 @@ from neps_bcast.errors import SearchStopped
 from neps_bcast.recovery.signals import indivisible, stop_signals
 from neps_bcast.runtime import Runtime
 from neps_bcast.transport.messages import StopMessage, TrialMessage
-from neps_bcast.trial import evaluate_once, log_freed
+from neps_bcast.trial.run import evaluate_once, log_freed
 
 
 def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> None:
