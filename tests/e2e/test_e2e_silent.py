@@ -270,7 +270,11 @@ class FrozenFollowerChecks(SilentRankChecks):
             and rerun.first.os_exits.get(pids[0]) == 1
             and any(silence in line and "still blocked" in line for line in logs.splitlines())
         )
-        assert by_torchrun or by_itself or by_its_verdict, (record, rerun.first.tail())
+        seen = (
+            None if record is None else (record["code"], str(record.get("error"))[:400]),
+            rerun.first.os_exits.get(pids[0]),
+        )
+        assert by_torchrun or by_itself or by_its_verdict, (seen, rerun.first.tail())
 
 
 class FrozenLeaderChecks(SilentRankChecks):
