@@ -254,16 +254,19 @@ class FrozenFollowerChecks(SilentRankChecks):
         record = rerun.first.exits.get(0)
         silence = f"rank 1 (pid {pids[1]} on host {HOST}) silent for"
         logs = "".join(t for name, t in rerun.first.rank_logs.items() if name.startswith("rank0."))
-        by_torchrun = closed_by_torchrun(rerun.first, pids[0]) and (
-            record["code"] == 143
+        closed = closed_by_torchrun(rerun.first, pids[0])
+        by_torchrun = closed and (
+            record["code"] in (143, -15)
             if record is not None
             else rerun.first.os_exits.get(pids[0]) in (-15, 143)
         )
+        # Its own FollowerLostError naming the silence, exit 1; or that error raised and
+        # torchrun's closing SIGTERM landing in its exit (the record says -15).
         by_itself = (
             record is not None
-            and record["code"] == 1
             and record["error"].startswith("FollowerLostError: [neps_bcast rank 0/2 leader] ")
             and silence in record["error"]
+            and (record["code"] == 1 or (closed and record["code"] in (143, -15)))
         )
         by_its_verdict = (
             record is None
