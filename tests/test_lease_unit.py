@@ -497,3 +497,41 @@ def test_a_leaders_look_for_orphans_does_not_wait_while_another_worker_samples(
         leader.wait()
     assert json.loads(found) == ["2: back to pending (interruption 1 of at most 3 retried)"]
     assert states(tmp_path)["2"] == "pending"
+
+
+def test_a_look_passes_over_a_trial_whose_lease_lock_stays_held_and_takes_it_once_free(
+    tmp_path: Path,
+) -> None:
+    """A renewal frozen mid-write (a frozen process, a hung mount) keeps its trial's lease
+    lock: a look for orphans, which runs under NePS's trial lock (every worker of the root
+    waits meanwhile), waits ``LOOK_LOCK_WAIT_S`` for it, passes that trial over and
+    returns; the next look, once the lock is free, takes the orphan."""
+    first = worker(tmp_path, trials=3, fault="kill", at="2")
+    assert first.returncode == -signal.SIGKILL
+    root = tmp_path / "root"
+    env = base_env()
+    with lease_lock(root / "configs" / "config_2"):  # held by this process for the look
+        look = subprocess.run(
+            [PYTHON, "-c", RECOVER, str(root)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert look.returncode == 0, look.stderr
+        assert json.loads(look.stdout.splitlines()[-1]) == [], look.stdout
+        assert "trial 2 not looked at" in look.stderr, look.stderr
+        assert states(tmp_path)["2"] == "evaluating"
+    again = subprocess.run(
+        [PYTHON, "-c", RECOVER, str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert json.loads(again.stdout.splitlines()[-1]) == [
+        "2: back to pending (interruption 1 of at most 3 retried)"
+    ], again.stderr
+    assert states(tmp_path)["2"] == "pending"

@@ -24,12 +24,19 @@ from neps_bcast.recovery.lease_file import (
     LEASE_FILE,
     Attempt,
     Lease,
+    LockBusy,
     Owner,
-    lease_lock,
+    lease_lock_within,
     read_lease,
     why_dead,
     write_lease,
 )
+
+LOOK_LOCK_WAIT_S = 5.0
+"""How long a look for orphans waits for one trial's lease lock (under NePS's trial lock,
+which every worker of the root waits for meanwhile): a renewal holds it for one write,
+milliseconds even on a loaded NFS server; one held longer is a renewal frozen mid-write,
+and that trial is looked at again at the next look."""
 
 
 class HandBack:
@@ -53,8 +60,14 @@ class HandBack:
             now = time.time()
             fs_now = filesystem_now(root)
             for trial in book.evaluating():
-                with lease_lock(trial.location):
-                    outcome = self._orphan(book, trial, now, fs_now)
+                try:
+                    with lease_lock_within(trial.location, LOOK_LOCK_WAIT_S):
+                        outcome = self._orphan(book, trial, now, fs_now)
+                except LockBusy as exc:
+                    # Its owner is mid-renewal, or frozen in one: it is looked at again
+                    # at the next look; the other trials, and NePS, go on meanwhile.
+                    logger.log(logging.WARNING, "trial %s not looked at: %s", trial.trial_id, exc)
+                    continue
                 if outcome is not None:
                     done.append(f"{trial.trial_id}: {outcome}")
         return done

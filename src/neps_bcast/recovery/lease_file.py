@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,6 +59,13 @@ LOCK_FILE = ".neps_bcast_lease.lock"
 """Taken around every read-check-write of a lease: a renewal and a takeover never interleave."""
 
 
+def _lock(fd: int) -> None:
+    if neps_compat.lock_kind() == "flock":
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+
+
 @contextlib.contextmanager
 def lease_lock(trial_dir: Path) -> Iterator[None]:
     """Hold the lock of one trial's lease (the kind NePS locks with: it works wherever
@@ -71,10 +79,69 @@ def lease_lock(trial_dir: Path) -> Iterator[None]:
     """
     fd = os.open(trial_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        if neps_compat.lock_kind() == "flock":
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+        _lock(fd)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+class LockBusy(TimeoutError):
+    """Another process has held a trial's lease lock for longer than a look waits."""
+
+
+_takers: dict[Path, threading.Thread] = {}
+"""Each lease lock a look gave up waiting for, and the thread still waiting for it: a
+later look of the same trial gives up at once while it waits (one waiter per lock)."""
+_takers_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def lease_lock_within(trial_dir: Path, wait_s: float) -> Iterator[None]:
+    """``lease_lock``, waiting ``wait_s`` at most (``LockBusy`` past it): for a look that
+    runs under NePS's trial lock, where one frozen holder (a renewal stopped mid-write: a
+    frozen process, a hung mount) must not stop every worker of the root for as long as
+    it stays frozen. A renewal holds the lock for one write (milliseconds).
+
+    The lock is asked for by a thread of its own, blocked in the kernel as ``lease_lock``
+    is (other processes see a waiter); past ``wait_s`` that thread is left waiting, and
+    releases the lock the moment it gets it. Only one is left waiting per lock: a later
+    look of that trial gives up at once while it waits."""
+    key = trial_dir.resolve()
+    with _takers_lock:
+        waiting = _takers.get(key)
+        if waiting is not None and waiting.is_alive():
+            raise LockBusy(f"{trial_dir}: its lease lock is still held by another process")
+    fd = os.open(trial_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    taken = threading.Event()
+    state = {"abandoned": False}
+    guard = threading.Lock()
+
+    def take() -> None:
+        try:
+            _lock(fd)
+        except OSError:
+            pass
+        with guard:
+            if not state["abandoned"]:
+                taken.set()
+                return
+        os.close(fd)  # got it after the look gave up: released at once
+
+    taker = threading.Thread(target=take, name="neps_bcast-lease-lock", daemon=True)
+    taker.start()
+    if not taken.wait(wait_s):
+        with guard:
+            if not taken.is_set():
+                state["abandoned"] = True
+        if state["abandoned"]:
+            with _takers_lock:
+                _takers[key] = taker
+            raise LockBusy(
+                f"{trial_dir}: its lease lock has been held by another process for"
+                f" {wait_s:g} s (a renewal frozen mid-write: a frozen process or a hung mount)"
+            )
+    taker.join()
+    try:
         yield
     finally:
         os.close(fd)  # releases the lock
