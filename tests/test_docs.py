@@ -712,9 +712,13 @@ GUARANTEES: dict[str, tuple[str, ...]] = {
         "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_process_that_started_exited_with_0[2_ranks]",
         "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_no_process_of_the_launch_is_left[2_ranks]",
     ),
-    "In a pool, a lost process costs only its own trial: it goes back to `pending` and runs again on fresh ranks while the other trials go on.": (
+    "In a pool, a lost process costs only its own trial: it goes back to `pending` and runs again on fresh ranks while the other trials go on. A frozen agent or rank is SIGKILLed by the launcher within `NEPS_BCAST_PEER_TIMEOUT_S`, and a frozen launcher by its agents and ranks, each then ending as a killed one does.": (
         "tests/e2e/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_the_killed_trial_went_back_to_pending_and_ran_again",
         "tests/e2e/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_no_other_trial_was_affected",
+        "tests/test_pool_beats.py::test_a_frozen_member_is_found_silent_after_the_bound_and_a_live_one_never",
+        "tests/test_pool_beats.py::test_a_member_sigkills_its_own_silent_launcher_and_no_other_process",
+        "tests/sweep/test_pool_sweep.py::test_every_fault_on_the_pool[pool-ranks]",
+        "tests/sweep/test_pool_sweep.py::test_every_fault_on_the_pool[pool-launcher]",
     ),
     "A silent rank (frozen, hung, its node lost or cut off: nothing closes) is treated as lost within `NEPS_BCAST_PEER_TIMEOUT_S` (30 s) and a few seconds: every surviving rank ends, naming it, its host, its step and how long it was silent, and the trial goes back to `pending`; a busy rank is never taken for silent.": (
         "tests/test_liveness.py::test_a_follower_finds_its_frozen_leader_silent_within_the_bound",
