@@ -93,7 +93,7 @@ def lead(
         lightning_compat.before_observer_kills(lambda: let_leader_record(rt, root, leases))
     try:
         with stop_signals():
-            guard.acquire()
+            _acquire(guard)
             try:
                 overwrite = bool(kwargs.get("overwrite_root_directory"))
                 space = guard.prepare(pipeline_space, overwrite)
@@ -159,6 +159,17 @@ def _superseded(rt: Runtime, line: str) -> None:
     ends its own."""
     rt.log(logging.ERROR, "%s; this worker stops now (exit code 1)", line)
     exit_now(1)
+
+
+def _acquire(guard: RootGuard) -> None:
+    """The root, once another worker finished starting on it; from then on a stop
+    waits. Up to the first trial NePS writes its state (the root, this worker's id, the
+    first sampling), each file in place: a stop raised in the middle of one left it
+    empty, and every worker of the root then failed to read it (seen: a pool stopped
+    while an agent started). The stop is raised when NePS hands over the first trial
+    (it goes back to pending), or once ``neps.run`` returns, as between two trials."""
+    guard.acquire()
+    wait_with_sigterm()
 
 
 def _past_time_limit(
