@@ -13,7 +13,8 @@ pending and the requeued job evaluates it first. Inside ``neps_bcast.run``:
   leave the trial "evaluating". Only the first stop counts: a second SIGTERM (``scancel``
   twice, a launcher forwarding it again) arriving while the trial is recorded is
   ignored, so the record is not cut short. While NePS's own code runs between two
-  trials, the stop waits for our next step (``wait_with_sigterm``).
+  trials, or starts (its state written file by file in place), the stop waits for our
+  next step (``wait_with_sigterm``).
 - A handler of SIGUSR1 or SIGUSR2 installed before ``run`` is chained the same way (so
   its signal is noted); none is installed where there is none (Lightning installs its
   SLURM auto-requeue handler only where no USR1 handler exists). A chained handler runs
