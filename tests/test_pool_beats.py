@@ -175,3 +175,50 @@ def test_a_member_sigkills_its_own_silent_launcher_and_no_other_process() -> Non
         for proc in (stranger, launcher):
             proc.kill()
             proc.wait(WAIT)
+
+
+LEAVES = """
+import sys
+from pathlib import Path
+from neps_bcast.pool import beats
+b = beats.Beats(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), print)
+print("beating", flush=True)
+sys.stdin.readline()
+b.leave()  # what a member does as it exits: its exit may outlast the bound
+print("left", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_member_that_leaves_is_judged_no_more(tmp_path: Path) -> None:
+    """A process in its exit (atexit handlers, finalization: no daemon thread beats
+    there) that takes longer than the bound is not taken for silent; the positive control
+    is the first test's frozen member."""
+    proc = subprocess.Popen(
+        [PYTHON, "-c", LEAVES, str(tmp_path), "rank1.9", str(BOUND)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    verdicts = Verdicts()
+    judge = beats.Beats(tmp_path, beats.LAUNCHER, BOUND, verdicts)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "beating"
+        judge.watch("rank1.9", "rank 1", proc.pid)
+        wait_until(lambda: (beats.read(tmp_path, "rank1.9") or 0) >= 5, "five beats")
+        proc.stdin.write("leave\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "left"
+        # Three bounds of the judge's own beats with the member beating no more.
+        mine = beats.read(tmp_path, beats.LAUNCHER) or 0
+        wait_until(
+            lambda: (beats.read(tmp_path, beats.LAUNCHER) or 0) >= mine + 3 * beats.BEATS_PER_BOUND,
+            "three bounds of the judge's beats",
+        )
+        assert verdicts.seen == []
+        assert (tmp_path / "rank1.9").read_text() == beats.LEAVING
+    finally:
+        judge.stop()
+        proc.kill()
+        proc.wait(WAIT)

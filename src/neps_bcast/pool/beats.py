@@ -30,6 +30,7 @@ No torch, no NePS here: the launcher imports this module too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -56,13 +57,23 @@ def name_of(role: str, index: int, pid: int) -> str:
     return f"{role}{index}.{pid}"
 
 
+LEAVING = "leaving"
+"""What a process's file says once it exits (``Beats.leave``): no longer judged. Its exit
+(atexit handlers, the interpreter's finalization, where a daemon thread beats no more)
+may take longer than the bound on a loaded machine; the launcher sees the exit itself."""
+
+
 def read(folder: Path, name: str) -> int | None:
     """A process's counter; None before its first beat (or a file that is not one)."""
+    text = _read_text(folder, name)
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _read_text(folder: Path, name: str) -> str | None:
     try:
-        text = (folder / name).read_text()
+        return (folder / name).read_text()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
 
 
 @dataclass
@@ -122,12 +133,20 @@ class Beats:
     def stop(self) -> None:
         self._stopped.set()
 
+    def leave(self) -> None:
+        """This process exits: its file says so, and it is judged no more."""
+        self._stopped.set()
+        self._write(LEAVING)
+
     def _beat(self) -> None:
         self._n += 1
+        self._write(str(self._n))
+
+    def _write(self, text: str) -> None:
         path = self.folder / self.name
-        temporary = self.folder / f".{self.name}.tmp"
+        temporary = self.folder / f".{self.name}.{threading.get_ident()}.tmp"
         with contextlib.suppress(OSError):  # the folder is gone: the launch is over
-            temporary.write_text(str(self._n))
+            temporary.write_text(text)
             temporary.replace(path)
 
     def _run(self) -> None:
@@ -145,7 +164,11 @@ class Beats:
         found = []
         with self._lock:
             for name, watch in list(self._watched.items()):
-                n = read(self.folder, name)
+                text = _read_text(self.folder, name)
+                if text == LEAVING:
+                    del self._watched[name]  # exiting: its exit is seen by the launcher
+                    continue
+                n = int(text) if text is not None and text.isdigit() else None
                 if n is None and watch.n == 0:
                     continue  # not beating yet
                 if n is not None and n > watch.n:
@@ -170,6 +193,7 @@ def of_member(
     kernel's word for the process serving the pool's socket, ``SO_PEERCRED``)."""
     member = Beats(folder_of(socket_path), name_of(role, index, os.getpid()), bound_s, on_silent)
     member.watch(LAUNCHER, "the pool's launcher", launcher_pid)
+    atexit.register(member.leave)  # registered last: runs before the imports' handlers
     return member
 
 

@@ -161,7 +161,7 @@ def serve(fn: Callable[..., Any], settings: Settings, follow: Follow) -> None:
                 1e3 * freed.cpu_s,
             )
     finally:
-        member_beats.stop()
+        member_beats.leave()
         conn.close()
 
 
