@@ -499,6 +499,18 @@ def test_a_leaders_look_for_orphans_does_not_wait_while_another_worker_samples(
     assert states(tmp_path)["2"] == "pending"
 
 
+def recover(root: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """One look for orphans of ``root`` in a process of its own (``RECOVER``), bounded."""
+    return subprocess.run(
+        [PYTHON, "-c", RECOVER, str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def test_a_look_passes_over_a_trial_whose_lease_lock_stays_held_and_takes_it_once_free(
     tmp_path: Path,
 ) -> None:
@@ -511,26 +523,12 @@ def test_a_look_passes_over_a_trial_whose_lease_lock_stays_held_and_takes_it_onc
     root = tmp_path / "root"
     env = base_env()
     with lease_lock(root / "configs" / "config_2"):  # held by this process for the look
-        look = subprocess.run(
-            [PYTHON, "-c", RECOVER, str(root)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        look = recover(root, env)
         assert look.returncode == 0, look.stderr
         assert json.loads(look.stdout.splitlines()[-1]) == [], look.stdout
         assert "trial 2 not looked at" in look.stderr, look.stderr
         assert states(tmp_path)["2"] == "evaluating"
-    again = subprocess.run(
-        [PYTHON, "-c", RECOVER, str(root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    again = recover(root, env)
     assert json.loads(again.stdout.splitlines()[-1]) == [
         "2: back to pending (interruption 1 of at most 3 retried)"
     ], again.stderr

@@ -169,41 +169,47 @@ def _hand_and_evaluate(
     if terminated and leases is not None:
         # A follower got SIGTERM (and is leaving): the group is broken, and the trial
         # was preempted, not failed by its config.
-        raise FollowerLostError(
-            format_message(
-                rt.tag,
-                "; ".join(
-                    f"rank {r.group_rank} was terminated ({r.type_name}: {r.message})"
-                    for r in terminated
-                )
-                + f" in trial {info.trial_id}.",
-                "the trial goes back to pending and runs again on fresh ranks (a pool goes on)."
-                if run_trial
-                else "the search stops here (its group lost a rank); the trial goes back to"
-                " pending, and running the same command again evaluates it.",
-            )
+        raise _infrastructure_fault(
+            rt,
+            [
+                f"rank {r.group_rank} was terminated ({r.type_name}: {r.message})"
+                for r in terminated
+            ],
+            f"in trial {info.trial_id}.",
+            "the search stops here (its group lost a rank); the trial goes back to pending,"
+            " and running the same command again evaluates it.",
+            pool=run_trial is not None,
+            pool_fix="the trial goes back to pending and runs again on fresh ranks (a pool goes on).",
         )
     timed_out = _timed_out(outcome.failures)
     if timed_out and leases is not None:
         # A collective or the launcher's store timed out: a peer stopped answering (it is
         # silent, or the network is), which is the infrastructure's fault, not the config's.
-        raise FollowerLostError(
-            format_message(
-                rt.tag,
-                "; ".join(
-                    f"rank {r.group_rank} timed out waiting for its peers ({r.type_name}:"
-                    f" {first_line_of(r.message)})"
-                    for r in timed_out
-                )
-                + f" in trial {info.trial_id}: an infrastructure fault, not the trial's own.",
-                "the trial goes back to pending (retried up to NEPS_BCAST_MAX_RETRIES); if"
-                " your collectives legitimately take longer, raise the group's timeout"
-                " (init_process_group(timeout=...))."
-                if not run_trial
-                else "the trial goes back to pending and runs again on fresh ranks.",
-            )
+        raise _infrastructure_fault(
+            rt,
+            [
+                f"rank {r.group_rank} timed out waiting for its peers ({r.type_name}:"
+                f" {first_line_of(r.message)})"
+                for r in timed_out
+            ],
+            f"in trial {info.trial_id}: an infrastructure fault, not the trial's own.",
+            "the trial goes back to pending (retried up to NEPS_BCAST_MAX_RETRIES); if"
+            " your collectives legitimately take longer, raise the group's timeout"
+            " (init_process_group(timeout=...)).",
+            pool=run_trial is not None,
+            pool_fix="the trial goes back to pending and runs again on fresh ranks.",
         )
     return outcome
+
+
+def _infrastructure_fault(
+    rt: Runtime, ranks: list[str], what: str, fix: str, *, pool: bool, pool_fix: str
+) -> FollowerLostError:
+    """A trial lost to the infrastructure (a rank terminated, a peer that stopped
+    answering): the ranks named, the trial put back, not recorded crashed."""
+    return FollowerLostError(
+        format_message(rt.tag, "; ".join(ranks) + f" {what}", pool_fix if pool else fix)
+    )
 
 
 _TIMEOUT = re.compile(
