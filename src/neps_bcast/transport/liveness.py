@@ -218,9 +218,20 @@ than the heartbeat's verdict, so that a lost node is named silent by the heartbe
 the kernel only frees a thread still blocked on a connection to it."""
 
 
+STORE_BOUND = 3.0
+"""The timeout of a beat's store operations in peer bounds: a backstop, later than the
+heartbeat's verdict. At one bound, torch's client gave up on a frozen leader's reply (and
+logged the timeout) before the follower's judge, which counts the same wait in ticks of a
+tenth of the bound, had named the leader silent (the fault sweep's frozen-leader cells)."""
+
+
 def guard(inodes: set[int], bound_s: float) -> int:
     """TCP_USER_TIMEOUT and keepalives on the given connections of this process."""
     return sockets.set_liveness_options(inodes, KERNEL_BOUND * bound_s, bound_s / BEATS_PER_BOUND)
+
+
+def _store_timeout(bound_s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=STORE_BOUND * bound_s)
 
 
 def _guard_connections(before: set[int], bound_s: float) -> None:
@@ -250,7 +261,7 @@ class Monitor:
         self._n = 0
         before = set(sockets.socket_inodes())
         host, _, port = address.rpartition(":")
-        self._client = store.connect(f"{host}:{port}", datetime.timedelta(seconds=bound_s), bound_s)
+        self._client = store.connect(f"{host}:{port}", _store_timeout(bound_s), bound_s)
         _guard_connections(before, bound_s)
         self.thread = threading.Thread(target=self._run, name="neps_bcast-monitor", daemon=True)
         self.thread.start()
@@ -336,7 +347,7 @@ class LeaderBeat:
         self._leader_doing = "unknown"
         self._address = _route_to(address.rpartition(":")[0])
         before = set(sockets.socket_inodes())
-        self._client = store.connect(address, datetime.timedelta(seconds=bound_s), bound_s)
+        self._client = store.connect(address, _store_timeout(bound_s), bound_s)
         _guard_connections(before, bound_s)
         self._beat_thread = threading.Thread(target=self._beat, name="neps_bcast-beat", daemon=True)
         self._judge_thread = threading.Thread(
