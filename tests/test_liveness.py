@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,9 +31,9 @@ from neps_bcast.recovery.lease import Leases
 from neps_bcast.recovery.lease_file import read_lease
 from neps_bcast.transport import liveness, sockets, store
 from neps_bcast.transport.auth import Signer, new_secret
+from verdicts import WAIT, Verdicts, wait_until
 
 BOUND = 1.0
-WAIT = 30.0
 PYTHON = sys.executable
 
 SERVE = """
@@ -44,25 +44,6 @@ s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
 print(s.port, flush=True)
 sys.stdin.read()
 """
-
-
-class Verdicts:
-    """The silences a monitor or beat reported (on its own thread)."""
-
-    def __init__(self) -> None:
-        self.seen: list[liveness.Silence] = []
-        self.event = threading.Event()
-
-    def __call__(self, silence: liveness.Silence) -> None:
-        self.seen.append(silence)
-        self.event.set()
-
-
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < deadline, f"never saw {what} within {WAIT} s"
-        time.sleep(0.02)  # bounded poll of a counter another thread advances
 
 
 @pytest.fixture
@@ -89,7 +70,7 @@ def test_a_follower_finds_its_frozen_leader_silent_within_the_bound(
     assert frozen_leader.stdout is not None
     port = int(frozen_leader.stdout.readline())
     signer = Signer(new_secret())
-    verdicts = Verdicts()
+    verdicts = Verdicts[liveness.Silence]()
     beat = liveness.LeaderBeat(
         f"127.0.0.1:{port}", 1, signer, BOUND, verdicts, lambda: ("here", frozen_leader.pid)
     )
@@ -172,11 +153,13 @@ def test_the_leader_finds_a_follower_whose_beats_stopped_silent_and_names_its_st
     leader_store: TCPStore,
 ) -> None:
     signer = Signer(new_secret())
-    verdicts = Verdicts()
+    verdicts = Verdicts[liveness.Silence]()
     address = f"127.0.0.1:{leader_store.port}"
     monitor = liveness.Monitor(address, 2, signer, BOUND, verdicts, lambda r: ("h1", 4242))
     liveness.doing("evaluating trial 7 (#2)")
-    beat = liveness.LeaderBeat(address, 1, signer, BOUND, Verdicts(), lambda: ("h0", 1))
+    beat = liveness.LeaderBeat(
+        address, 1, signer, BOUND, Verdicts[liveness.Silence](), lambda: ("h0", 1)
+    )
     try:
         wait_until(lambda: monitor.beats_seen(1) >= 5, "five beats of rank 1")
         assert verdicts.seen == []
@@ -195,7 +178,7 @@ def test_a_forged_or_replayed_beat_keeps_no_silent_follower_alive(
     leader_store: TCPStore, caplog: pytest.LogCaptureFixture
 ) -> None:
     signer = Signer(new_secret())
-    verdicts = Verdicts()
+    verdicts = Verdicts[liveness.Silence]()
     address = f"127.0.0.1:{leader_store.port}"
     monitor = liveness.Monitor(address, 2, signer, BOUND, verdicts, lambda r: ("h1", None))
     outsider = store.connect(address, datetime.timedelta(seconds=WAIT), WAIT)
@@ -227,7 +210,7 @@ def test_a_main_thread_that_holds_the_gil_for_half_the_bound_is_never_silent(
 ) -> None:
     """Leader and follower in one process: both threads wait while the GIL is held."""
     signer = Signer(new_secret())
-    leader_saw, follower_saw = Verdicts(), Verdicts()
+    leader_saw, follower_saw = Verdicts[liveness.Silence](), Verdicts[liveness.Silence]()
     address = f"127.0.0.1:{leader_store.port}"
     monitor = liveness.Monitor(address, 2, signer, BOUND, leader_saw, lambda r: ("h", None))
     beat = liveness.LeaderBeat(address, 1, signer, BOUND, follower_saw, lambda: ("h", None))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from neps_bcast.pool import beats
+from verdicts import WAIT, Verdicts, wait_until
 
 BOUND = 1.0
-WAIT = 30.0
 PYTHON = sys.executable
 
 BEATING = """
@@ -29,23 +28,6 @@ b = beats.Beats(Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), print)
 print("beating", flush=True)
 sys.stdin.read()
 """
-
-
-class Verdicts:
-    def __init__(self) -> None:
-        self.seen: list[beats.Silent] = []
-        self.event = threading.Event()
-
-    def __call__(self, silent: beats.Silent) -> None:
-        self.seen.append(silent)
-        self.event.set()
-
-
-def wait_until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not check():
-        assert time.monotonic() < deadline, f"never saw {what} within {WAIT} s"
-        time.sleep(0.02)  # bounded poll of a counter another process advances
 
 
 @pytest.fixture
@@ -77,7 +59,7 @@ def test_a_frozen_member_is_found_silent_after_the_bound_and_a_live_one_never(
     tmp_path: Path, beating: Callable[[str], subprocess.Popen[str]]
 ) -> None:
     frozen, live = beating("agent0.1"), beating("rank0.2")
-    verdicts = Verdicts()
+    verdicts = Verdicts[beats.Silent]()
     judge = beats.Beats(tmp_path, beats.LAUNCHER, BOUND, verdicts)
     judge.watch("agent0.1", "agent 0", frozen.pid)
     judge.watch("rank0.2", "rank 0", live.pid)
@@ -114,7 +96,7 @@ def test_silence_counts_only_the_time_the_judge_ran_and_a_new_beat_clears_it(
 ) -> None:
     """The judge's own clock, driven by hand: a wake-up late by more than two beats (the
     judge was frozen or starved) adds two beats, not its whole lateness."""
-    verdicts = Verdicts()
+    verdicts = Verdicts[beats.Silent]()
     judge = beats.Beats(tmp_path, beats.LAUNCHER, 1000.0, verdicts)  # its thread stays asleep
     try:
         judge.watch("rank1.7", "rank 1", 7)
@@ -200,7 +182,7 @@ def test_a_member_that_leaves_is_judged_no_more(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
-    verdicts = Verdicts()
+    verdicts = Verdicts[beats.Silent]()
     judge = beats.Beats(tmp_path, beats.LAUNCHER, BOUND, verdicts)
     try:
         assert proc.stdout is not None and proc.stdin is not None
