@@ -275,8 +275,11 @@ from pathlib import Path
 import neps.state.neps_state  # the slow imports before "ready" (seconds on 2 busy cores)
 from neps_bcast.compat import neps as neps_compat
 from neps_bcast.config import Settings
+from neps_bcast.recovery import hand_back
 from neps_bcast.recovery.lease import Leases
 neps_compat.lock_kind()
+if len(sys.argv) > 2:  # the look's bound for a lease lock held by a frozen renewal
+    hand_back.LOOK_LOCK_WAIT_S = float(sys.argv[2])
 leases = Leases(Path(sys.argv[1]), Settings())
 print("ready", flush=True)
 print(json.dumps(leases.recover_orphans()))
@@ -309,7 +312,12 @@ def test_two_leaders_never_both_take_one_orphan(tmp_path: Path) -> None:
     with lease_lock(root / "configs" / "config_2"):
         procs = [
             subprocess.Popen(
-                [PYTHON, "-c", RECOVER, str(root)], env=env, stdout=subprocess.PIPE, text=True
+                # The race takes seconds to set on a busy machine, past the look's bound
+                # (5 s, tested below): every recoverer would pass the orphan over first.
+                [PYTHON, "-c", RECOVER, str(root), "600"],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
             )
             for _ in range(3)
         ]
