@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from harness import base_env, neps_trials
+from harness import PYTHON, base_env, neps_trials
 
 SCRIPT = Path(__file__).parent / "scripts" / "recovery_single.py"
-PYTHON = sys.executable
 
 
 def worker(
