@@ -19,7 +19,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install demo test test-e2e test-faults test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
+.PHONY: install hosts-packages slurm-packages demo test test-e2e test-faults test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
 
 install: $(STAMP)
 
@@ -58,7 +58,10 @@ test-faults: install
 # A real one-node SLURM cluster (slurmctld, slurmd, munge; installed with apt-get when missing,
 # as root), the tests in tests/slurm against it, then the cluster stopped whatever the result.
 SLURM_DIR ?= /tmp/neps_bcast_slurm
-test-slurm: install
+slurm-packages:
+	NEPS_BCAST_SLURM_DIR=$(SLURM_DIR) bash tests/slurm/cluster.sh install
+
+test-slurm: install slurm-packages
 	export NEPS_BCAST_SLURM_DIR=$(SLURM_DIR) SLURM_CONF=$(SLURM_DIR)/slurm.conf; \
 	if bash tests/slurm/cluster.sh start; then \
 		OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider tests/slurm; status=$$?; \
@@ -76,9 +79,11 @@ test-slurm: install
 # tests/hosts/test_hosts_fencing.py's 4 cells x 2 (clock ahead, clock behind, a frozen
 # host, a host cut off from the shared folder) = 30.
 HOSTS_LAUNCHES ?= 30
-test-hosts: install
+hosts-packages:
 	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	command -v faketime >/dev/null || (apt-get update -qq && apt-get install -y -qq faketime)
+
+test-hosts: install hosts-packages
 	NEPS_BCAST_LAUNCH_BUDGET=$(HOSTS_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -p no:cacheprovider tests/hosts
 
 # The GPU tier (tests/gpu; not in CI: CI has no GPU). By default with the project's venv;

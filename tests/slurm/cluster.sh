@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A real one-node SLURM cluster on this machine, for `make test-slurm`.
 #
+#   bash tests/slurm/cluster.sh install  # install slurm-wlm + munge if missing, start nothing
 #   bash tests/slurm/cluster.sh start    # install slurm-wlm + munge if missing, start, wait for the node
 #   bash tests/slurm/cluster.sh status   # what is running; exit 0 only when the node answers
 #   bash tests/slurm/cluster.sh stop     # cancel its jobs, stop only what `start` started
@@ -235,11 +236,15 @@ status() {
 }
 
 case ${1:-} in
+install)
+    mkdir -p "$DIR"
+    install_packages
+    ;;
 start) start ;;
 stop) stop ;;
 status) status ;;
 *)
-    echo "usage: $0 start|stop|status" >&2
+    echo "usage: $0 install|start|stop|status" >&2
     exit 2
     ;;
 esac
