@@ -124,7 +124,9 @@ def render_page(t: ModuleType) -> str:
         "torchrun with 3 ranks runs the cells of "
         + ", ".join(f"`{name}`" for name in three)
         + ", each expected as under torchrun above, with a second follower (rank 2)"
-        " looking on: a fault to the follower goes to rank 1 alone. Rank 2 ends with:",
+        " looking on: a fault to the follower goes to rank 1 alone. There torchrun on 2"
+        " ranks runs only its frozen-rank cells: each other 3-rank cell checks all its"
+        " 2-rank twin would, and rank 2 too. Rank 2 ends with:",
         "",
         "| step | fault | rank 2 |",
         "|---|---|---|",

@@ -10,7 +10,6 @@ timeout), not by how many seconds it took on a machine whose load varies.
 from __future__ import annotations
 
 import signal
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -21,7 +20,6 @@ from harness import (
     CleanLaunch,
     LaunchChecks,
     Result,
-    assert_nothing_left,
     first_fault,
     identical_on_every_rank,
     python,
@@ -32,7 +30,6 @@ from harness import (
     torchrun,
     trials_by_rank,
 )
-from neps_bcast.compat import procfs
 
 
 class TestNepsDefaultStopsTheSearchAfterRecordingTheTrial(LaunchChecks):
@@ -83,59 +80,6 @@ class Rerun:
     first: Result
     after_first: dict[int, tuple[str, str, str]]
     again: Result
-
-
-class TestAKilledFollowerIsRecordedAndTheSearchResumes(CleanLaunch):
-    """SIGKILL on the follower in fit of trial 2; then the same command again (its
-    checks inherited here are the rerun's). A lost follower is an infrastructure
-    failure: trial 2 goes back to pending (never left "evaluating"), and the rerun
-    evaluates it first."""
-
-    @pytest.fixture(scope="class")
-    def rerun(self, tmp_path_factory: pytest.TempPathFactory) -> Rerun:
-        tmp = tmp_path_factory.mktemp("follower_killed")
-        command = python(LIGHTNING, "--trials", 4, "--ignore-errors")
-        first = run(command, tmp, name="first", fault="sigkill:follower:trial=2")
-        after_first = reports(first.root)
-        return Rerun(first, after_first, run(command, tmp, name="again"))
-
-    @pytest.fixture(scope="class")
-    def launch(self, rerun: Rerun) -> Result:
-        return rerun.again
-
-    def test_the_first_launch_exits_with_1(self, rerun: Rerun) -> None:
-        assert rerun.first.returncode == 1, rerun.first.tail()
-
-    def test_the_first_launch_left_no_process(self, rerun: Rerun) -> None:
-        assert_nothing_left(rerun.first)
-
-    def test_the_interrupted_trial_went_back_to_pending(self, rerun: Rerun) -> None:
-        """Not left "evaluating"."""
-        assert sorted(rerun.after_first) == [1, 2]
-        assert rerun.after_first[2][0] == "pending"
-
-    def test_the_leader_exited_naming_the_lost_follower(self, rerun: Rerun) -> None:
-        exits = rerun.first.exits
-        assert sorted(exits) == [0]  # the follower was SIGKILLed: it recorded no exit
-        assert exits[0]["code"] == 1
-        assert exits[0]["error"].startswith(
-            "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: "
-        )
-
-    def test_every_process_of_the_first_launch_ended_on_its_own(self, rerun: Rerun) -> None:
-        rerun.first.ended_on_their_own(first_fault(rerun.first))
-
-    def test_the_rerun_finished_every_trial_as_a_success(self, rerun: Rerun) -> None:
-        recorded = reports(rerun.again.root)
-        assert {n: r[0] for n, r in recorded.items()} == dict.fromkeys(range(1, 5), "success")
-
-    def test_the_rerun_evaluated_trial_2_first_then_the_rest_on_both_ranks(
-        self, rerun: Rerun
-    ) -> None:
-        second = [e for e in rerun.again.of("trial") if e["t"] > rerun.first.gone_at]
-        assert sorted({(e["trial_id"], e["rank"]) for e in second}) == [
-            (str(t), r) for t in (2, 3, 4) for r in (0, 1)
-        ]
 
 
 class TestAGroupThatCannotBeFormedAgainFailsItsTrialOnEveryRank(CleanLaunch):
@@ -286,69 +230,6 @@ class TestASecondSigtermWhileTheLeaderSettlesTheTrial(LaunchChecks):
 
     def test_every_process_ended_on_its_own(self, launch: Result) -> None:
         launch.ended_on_their_own(first_fault(launch))
-
-
-@dataclass
-class Signalled:
-    launch: Result
-    delivered: bool
-    sent: float
-
-
-class TestSigtermToAFollowerWaitingBetweenTrials:
-    """SIGTERM to the follower while it waits for trial 3 (the leader's NePS takes 5 s
-    to sample it): the follower exits with 143, no trial is left "evaluating", trials
-    1 and 2 stay successes, and every process ends on its own after the signal."""
-
-    @pytest.fixture(scope="class")
-    def signalled(self, tmp_path_factory: pytest.TempPathFactory) -> Signalled:
-        running = start(
-            python(LIGHTNING, "--trials", 4),
-            tmp_path_factory.mktemp("sigterm_waiting"),
-            fault="sleep:leader:trial=2:at=sample:s=5",
-        )
-        follower = running.wait_for(
-            "the follower's start",
-            lambda ev: next(
-                (e["pid"] for e in ev if e["event"] == "start" and e["proc_rank"] == 1), 0
-            ),
-        )
-        running.wait_for(
-            "the leader's sampling pause",
-            lambda ev: any(e["event"] == "fault" and e["where"] == "sample" for e in ev),
-        )
-        delivered = procfs.kill(follower, signal.SIGTERM)
-        sent = time.time()
-        return Signalled(running.finish(), delivered, sent)
-
-    def test_the_follower_was_alive_to_get_the_signal(self, signalled: Signalled) -> None:
-        assert signalled.delivered, "the follower was gone before the signal"
-
-    def test_no_process_of_the_launch_is_left(self, signalled: Signalled) -> None:
-        assert_nothing_left(signalled.launch)
-
-    def test_the_launcher_exits_with_an_error(self, signalled: Signalled) -> None:
-        assert signalled.launch.returncode != 0, signalled.launch.tail()
-
-    def test_the_follower_evaluated_nothing_after_the_signal(self, signalled: Signalled) -> None:
-        assert not [
-            e for e in signalled.launch.of("trial") if e["rank"] == 1 and e["t"] > signalled.sent
-        ]
-
-    def test_the_follower_exited_with_143(self, signalled: Signalled) -> None:
-        exits = signalled.launch.exits
-        assert exits[1]["code"] == 143, (exits, signalled.launch.tail())
-
-    def test_trials_1_and_2_stay_successes_and_none_is_evaluating(
-        self, signalled: Signalled
-    ) -> None:
-        recorded = reports(signalled.launch.root)
-        assert recorded[1][:2] == ("success", "success")
-        assert recorded[2][:2] == ("success", "success")
-        assert {r[0] for r in recorded.values()} <= {"success", "crashed", "pending"}, recorded
-
-    def test_every_process_ended_on_its_own(self, signalled: Signalled) -> None:
-        signalled.launch.ended_on_their_own(signalled.sent)
 
 
 class TestTorchrunTheUserDestroysTheGroupAndErrorsRecover(CleanLaunch):

@@ -160,36 +160,6 @@ class TestAUserExceptionIsNotRetried(CleanLaunch):
         assert lease.attempts == ()
 
 
-class TestSigtermToOneFollowerCostsOnlyItsTrial(RerunChecks):
-    """SIGTERM to the follower in trial 2, ignore_errors=True (before: trial 2 crashed,
-    and trial 3 was handed to the broken group and crashed too). Now: trial 2 goes back
-    to pending, the leader samples nothing for the broken group, and the rerun ends with
-    every trial a success."""
-
-    @pytest.fixture(scope="class")
-    def rerun(self, tmp_path_factory: pytest.TempPathFactory) -> Rerun:
-        tmp = tmp_path_factory.mktemp("sigterm_follower")
-        command = python(LIGHTNING, "--trials", 4, "--ignore-errors")
-        first = run(command, tmp, name="first", fault="sigterm:follower:trial=2")
-        after_first = states(first.root)
-        return Rerun(first, after_first, run(command, tmp, name="again"))
-
-    def test_the_trial_went_back_to_pending_and_nothing_else_was_sampled(
-        self, rerun: Rerun
-    ) -> None:
-        assert rerun.after_first == {"1": "success", "2": "pending"}, rerun.first.tail()
-
-    def test_the_follower_exited_with_143(self, rerun: Rerun) -> None:
-        assert rerun.first.exits[1]["code"] == 143
-
-    def test_the_leader_names_the_terminated_follower(self, rerun: Rerun) -> None:
-        error = rerun.first.exits[0]["error"]
-        assert "rank 1 was terminated (Terminated: 143) in trial 2" in error
-
-    def test_the_rerun_ends_with_every_trial_a_success(self, rerun: Rerun) -> None:
-        assert states(rerun.again.root) == dict.fromkeys("1234", "success")
-
-
 @dataclass
 class TakeOver:
     victim: Result

@@ -10,7 +10,8 @@ left, no wait ended by its timeout: ``Result.ended_on_their_own``) and no earlie
 changed. Some cells check more (``EXTRA``): the checks of the end-to-end launches that
 ran the same scenario before the sweep did (docs/test-tiers.md).
 
-The cells of one step run as a chain on one NePS root with one command: the next
+The cells of up to three steps of one launcher (``POINTS_PER_CHAIN``) run as a chain
+on one NePS root with one command: the next
 cell's launch is the previous one's rerun ("the same command again"). It evaluates the
 trials the previous fault left pending first (NePS hands out pending trials before it
 samples; one left ``evaluating`` by a killed leader is put back at start-up), each of
@@ -63,9 +64,11 @@ from harness import (
     trials_by_rank,
 )
 
-BUDGET = 3 * len(FAULTS) + 4
-"""A chain's ``--trials``: each faulted launch spends at most three evaluations, and
-the last cells still get theirs."""
+POINTS_PER_CHAIN = 3
+"""The steps one chain sweeps, one after another on one root: a chain ends with a last
+run that finishes its budget, one launch (~15 CPU-seconds of imports) that a longer
+chain shares among more cells; three keep the chains about as many as the sweep's
+workers need to stay busy to the end."""
 
 FINISHED = ("success", "crashed")
 S = frozenset
@@ -74,19 +77,28 @@ S = frozenset
 @dataclass(frozen=True)
 class Chain:
     launcher: str
-    point: Point
-    faults: tuple[Fault, ...]
+    cells: tuple[tuple[Point, Fault], ...]
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        return tuple(dict.fromkeys(p for p, _ in self.cells))
 
     @property
     def id(self) -> str:
-        return f"{self.launcher}-{self.point.name}"
+        return f"{self.launcher}-{'+'.join(p.name for p in self.points)}"
 
     @property
     def shares_a_root(self) -> bool:
-        return self.point.kind != "end"
+        return all(p.kind != "end" for p in self.points)
 
-    def command(self) -> list[str]:
-        trials = BUDGET if self.shares_a_root else self.point.trials
+    @property
+    def budget(self) -> int:
+        """Its ``--trials``: each faulted launch spends at most three evaluations, and
+        the last cells still get theirs; a step at the end of a search, its own."""
+        return 3 * len(self.cells) + 4 if self.shares_a_root else self.points[0].trials
+
+    def command(self, trials: int | None = None) -> list[str]:
+        trials = self.budget if trials is None else trials
         if self.launcher == "lightning":
             return python(LIGHTNING, "--trials", trials, "--ignore-errors")
         return torchrun(RANKS[self.launcher], TORCH_DDP, "--trials", trials, "--ignore-errors")
@@ -95,18 +107,27 @@ class Chain:
 ONLY = {f for f in os.environ.get("NB_SWEEP_FAULTS", "").split(",") if f}
 assert ONLY <= {f.name for f in FAULTS}, f"NB_SWEEP_FAULTS: unknown {ONLY}"
 
-CHAINS = [
-    Chain(
-        launcher,
-        point,
-        tuple(
-            f
-            for (la, p, f) in CELLS
-            if la == launcher and p == point and (not ONLY or f.name in ONLY)
-        ),
-    )
-    for launcher, point in dict.fromkeys((la, p) for la, p, _ in CELLS)
-]
+
+def chains() -> list[Chain]:
+    """Each launcher's steps in the table's order, up to ``POINTS_PER_CHAIN`` a chain; a
+    step at the end of a search alone (each of its cells on a root of its own)."""
+    found = []
+    for launcher in dict.fromkeys(la for la, _, _ in CELLS):
+        steps = list(dict.fromkeys(p for la, p, _ in CELLS if la == launcher))
+        going = [p for p in steps if p.kind != "end"]
+        groups = [going[i : i + POINTS_PER_CHAIN] for i in range(0, len(going), POINTS_PER_CHAIN)]
+        groups += [[p] for p in steps if p.kind == "end"]
+        for group in groups:
+            cells = tuple(
+                (p, f)
+                for (la, p, f) in CELLS
+                if la == launcher and p in group and (not ONLY or f.name in ONLY)
+            )
+            found.append(Chain(launcher, cells))
+    return found
+
+
+CHAINS = chains()
 
 
 def neps_view(root: Path) -> dict[str, tuple[str, Any]]:
@@ -241,22 +262,36 @@ def report(seen: dict[str, Any]) -> None:
             out.write(json.dumps(seen) + "\n")
 
 
-def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[str], str]:
-    want = expect(chain.launcher, chain.point, fault)
+def run_cell(
+    chain: Chain, point: Point, fault: Fault, tmp_path: Path, i: int
+) -> tuple[list[str], str]:
+    want = expect(chain.launcher, point, fault)
     assert not isinstance(want, Unreachable), want
     cwd = tmp_path if chain.shares_a_root else tmp_path / f"own{i}"
     cwd.mkdir(exist_ok=True)
     root = cwd / "results"
     before = neps_view(root)
-    text = spec(chain.point, fault, RANKS[chain.launcher])
+    text = spec(point, fault, RANKS[chain.launcher])
     silent = {"NEPS_BCAST_PEER_TIMEOUT_S": str(SILENT_BOUND_S)} if fault.kind == "sigstop" else {}
+    command = chain.command()
+    if want.goes_on and chain.shares_a_root:
+        # A launch the fault does not stop would spend the chain's whole budget and leave
+        # the later cells nothing: it ends after the step's own search instead (its
+        # pending trials first). Nothing of it is retried, so no rerun needs its command.
+        spent = sum(1 for state, _ in before.values() if state in FINISHED)
+        command = chain.command(trials=spent + point.trials)
     launch = run(
-        chain.command(), tmp_path, name=f"{i:02d}-{fault.name}", cwd=cwd, fault=text, env=silent
+        command,
+        tmp_path,
+        name=f"{i:02d}-{point.name}-{fault.name}",
+        cwd=cwd,
+        fault=text,
+        env=silent,
     )
     problems = []
-    fired = [e for e in launch.of("fault") if e.get("where") == chain.point.name]
+    fired = [e for e in launch.of("fault") if e.get("where") == point.name]
     if not fired:
-        problems.append(f"the fault never fired at {chain.point.name}: the cell did not test")
+        problems.append(f"the fault never fired at {point.name}: the cell did not test")
     since = min((e["t"] for e in fired), default=None)
     gone_s = None if since is None else launch.gone_at - since
     if since is not None:
@@ -264,19 +299,17 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
             launch.ended_on_their_own(since)
         except AssertionError as exc:
             problems.append(str(exc).split(" records from ")[0])
-    check = EXTRA.get((chain.launcher, chain.point.name, fault.name))
+    check = EXTRA.get((chain.launcher, point.name, fault.name))
     if check is not None and fired:
         problems += check(launch, fired[0])
-    problems += check_exits(
-        chain.launcher, want, launch, others_want=bystander(chain.point, want, fault)
-    )
+    problems += check_exits(chain.launcher, want, launch, others_want=bystander(point, want, fault))
     after = neps_view(root)
     order = handed_order(launch)
     problems += check_trials(want, before, after, order)
     leader, follower, others = statuses_by_role(launch)
     report(
         {
-            "cell": f"{chain.id}-{fault.name}",
+            "cell": f"{chain.launcher}-{point.name}-{fault.name}",
             "spec": text,
             "row": want.row,
             "ok": not problems,
@@ -288,17 +321,17 @@ def run_cell(chain: Chain, fault: Fault, tmp_path: Path, i: int) -> tuple[list[s
             "handed": [(tid, after.get(tid, ("missing",))[0]) for tid in order],
         }
     )
-    head = f"{chain.id}-{fault.name} ({text}), row {want.row!r}"
+    head = f"{chain.launcher}-{point.name}-{fault.name} ({text}), row {want.row!r}"
     return [f"{head}: {p}" for p in problems], launch.tail(40) if problems else ""
 
 
-@pytest.mark.timeout(3600)  # a chain is up to ten launches, each bounded by its own deadline
+@pytest.mark.timeout(5400)  # a chain is up to ~30 launches, each bounded by its own deadline
 @pytest.mark.parametrize("chain", CHAINS, ids=[c.id for c in CHAINS])
 def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
     problems: list[str] = []
     logs: list[str] = []
-    for i, fault in enumerate(chain.faults, start=1):
-        found, tail = run_cell(chain, fault, tmp_path, i)
+    for i, (point, fault) in enumerate(chain.cells, start=1):
+        found, tail = run_cell(chain, point, fault, tmp_path, i)
         problems += found
         if tail:
             logs.append(tail)
@@ -316,7 +349,7 @@ def last_run(chain: Chain, tmp_path: Path, logs: list[str]) -> list[str]:
         root = tmp_path / "results"
         before = neps_view(root)
         last = run(chain.command(), tmp_path, name="last")
-        found = check_finished(before, neps_view(root), BUDGET)
+        found = check_finished(before, neps_view(root), chain.budget)
         found += check_exits(chain.launcher, ALL_ZERO, last, last=True, others_want=S({0}))
         problems += [f"{chain.id}, the last run: {p}" for p in found]
         if found:
@@ -447,9 +480,67 @@ def leader_killed(launch: Result, fired: dict[str, Any]) -> list[str]:
     return problems
 
 
+def handed_at(launch: Result, fired: dict[str, Any]) -> str:
+    """The id of the trial the fault landed in (the ``seq``-th NePS handed the leader)."""
+    order = handed_order(launch)
+    return order[fired["seq"] - 1] if len(order) >= fired["seq"] else "?"
+
+
+def follower_killed(launch: Result, fired: dict[str, Any]) -> list[str]:
+    """The SIGKILLed follower recorded no exit; the leader exits 1 raising
+    FollowerLostError that names rank 1."""
+    exits = launch.exits
+    leader = exits.get(0)
+    if sorted(exits) != [0] or leader is None:
+        return [f"exit records by rank {sorted(exits)}, want the leader's only"]
+    if leader["code"] != 1 or not str(leader["error"]).startswith(
+        "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: "
+    ):
+        return [f"the leader's exit {leader['code']} {leader['error']!r}"]
+    return []
+
+
+def follower_terminated(launch: Result, fired: dict[str, Any]) -> list[str]:
+    """The signal in fit's checks, and the leader's exit names the follower's SIGTERM in
+    its trial."""
+    problems = signal_in_fit("term_follower")(launch, fired)
+    tid = handed_at(launch, fired)
+    error = str((launch.exits.get(0) or {}).get("error"))
+    if f"rank 1 was terminated (Terminated: 143) in trial {tid}" not in error:
+        problems.append(f"the leader's exit error {error!r} does not name rank 1's SIGTERM")
+    return problems
+
+
+def interrupted_after_hand_over(launch: Result, fired: dict[str, Any]) -> list[str]:
+    """The leader left right after it handed the trial over, its follower already on its
+    way into the trial's first meeting: the follower ends that trial naming the leader's
+    SIGTERM, and neither rank ran the user's function for it."""
+    tid = handed_at(launch, fired)
+    problems = []
+    ended = (
+        rf"rank 1/2 follower\] trial {re.escape(tid)} raised TrialFailedError: .*failed on"
+        r" rank 0: rank 0: Terminated"
+    )
+    if not re.search(ended, launch.log):
+        problems.append(f"the follower never ended trial {tid} naming the leader's SIGTERM")
+    ran = sorted(e["rank"] for e in launch.of("trial") if e["trial_id"] == tid)
+    if ran:
+        problems.append(f"trial {tid} ran in the user's function on ranks {ran}")
+    return problems
+
+
+def follower_stopped_waiting(launch: Result, fired: dict[str, Any]) -> list[str]:
+    """A follower SIGTERMed while it waits for the next trial evaluates nothing after."""
+    late = [e["trial_id"] for e in launch.of("trial") if e["rank"] == 1 and e["t"] > fired["t"]]
+    return [f"the follower evaluated {late} after its SIGTERM"] if late else []
+
+
 EXTRA = {
+    ("torchrun", "handed", "term_leader"): interrupted_after_hand_over,
+    ("lightning", "sample", "term_follower"): follower_stopped_waiting,
     ("lightning", "fit", "term_all"): signal_in_fit("term_all"),
-    ("lightning", "fit", "term_follower"): signal_in_fit("term_follower"),
+    ("lightning", "fit", "term_follower"): follower_terminated,
+    ("lightning", "fit", "kill_follower"): follower_killed,
     ("lightning", "fit", "int_leader"): signal_in_fit("int_leader"),
     ("lightning", "fit", "kill_leader"): leader_killed,
     ("lightning", "sample", "kill_leader"): leader_killed,
