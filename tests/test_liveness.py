@@ -17,10 +17,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import TCPStore
@@ -100,6 +101,55 @@ def test_a_follower_finds_its_frozen_leader_silent_within_the_bound(
     assert silence.doing == "in a meeting of the ranks of trial 3 (#3)"
     assert silence.silent_s > BOUND
     assert took > BOUND
+
+
+class TimingOut:
+    """A store client whose every operation gives up waiting, as torch's does on a
+    silent leader (its message, for a ``get``)."""
+
+    def __getattr__(self, name: str) -> Callable[..., object]:
+        def wait(*_: object, **__: object) -> object:
+            raise torch.distributed.DistStoreError("wait timeout after 300ms, keys: /beat/0")
+
+        return wait
+
+
+def test_a_beat_whose_wait_times_out_still_leaves_the_verdict_to_the_judge(
+    frozen_leader: subprocess.Popen[str],
+) -> None:
+    """A beat's store wait on a silent leader can end by its timeout before the judge
+    rules (the kernel's TCP_USER_TIMEOUT at 1.5 bounds, or the store's backstop, when the
+    judge was starved): that wait is the silence, so the leader is still named once the
+    bound has passed. Before, the beat thread ended as if answered and no verdict came."""
+    assert frozen_leader.stdout is not None
+    port = int(frozen_leader.stdout.readline())
+    verdicts = Verdicts[liveness.Silence]()
+    beat = liveness.LeaderBeat(
+        f"127.0.0.1:{port}",
+        1,
+        Signer(new_secret()),
+        BOUND,
+        verdicts,
+        lambda: ("here", frozen_leader.pid),
+    )
+    try:
+        beat._client = TimingOut()  # type: ignore[assignment]
+        assert verdicts.event.wait(WAIT), "no verdict on a leader whose waits time out"
+    finally:
+        beat.stop()
+        liveness.forget()
+    (silence,) = verdicts.seen
+    assert (silence.group_rank, silence.pid) == (0, frozen_leader.pid)
+    assert silence.silent_s > BOUND
+
+
+def test_only_a_wait_that_ran_out_counts_as_silence() -> None:
+    """A closed or refused connection is no silence: the leader is gone, and the watch of
+    the control channel says so (the beat names nobody)."""
+    assert not liveness._timed_out(ConnectionResetError("Connection reset by peer"))
+    assert liveness._timed_out(TimeoutError())
+    assert liveness._timed_out(OSError("Connection timed out"))
+    assert liveness._timed_out(torch.distributed.DistStoreError("wait timeout after 300ms"))
 
 
 @pytest.mark.parametrize(

@@ -230,6 +230,15 @@ def guard(inodes: set[int], bound_s: float) -> int:
     return sockets.set_liveness_options(inodes, KERNEL_BOUND * bound_s, bound_s / BEATS_PER_BOUND)
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """A store operation that gave up waiting (torch's timeout, or the kernel's
+    ``ETIMEDOUT`` on unacknowledged data), not one that found the peer gone."""
+    if isinstance(exc, TimeoutError):
+        return True
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def _store_timeout(bound_s: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=STORE_BOUND * bound_s)
 
@@ -377,9 +386,13 @@ class LeaderBeat:
             except (AuthError, ValueError) as exc:
                 logger.log(logging.ERROR, "refused the leader's beat: %s", exc)
                 record = None
-            except Exception as exc:  # noqa: BLE001 - the leader is gone: its watch says so
+            except Exception as exc:  # noqa: BLE001 - the leader is gone, or silent
                 logger.log(logging.DEBUG, "beat ends: %s", exc)
-                self._pending_since = None
+                if not _timed_out(exc):
+                    self._pending_since = None  # gone (closed, refused): its watch says so
+                # A wait that ran out (the store's backstop, the kernel's TCP_USER_TIMEOUT)
+                # is the silence itself: it stays pending, and the judge, which counts only
+                # the time it ran, names the leader once the bound has passed.
                 return
             self._pending_since = None
             if record is not None:
