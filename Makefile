@@ -42,18 +42,18 @@ test: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(TEST_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
 
 # Every other end-to-end scenario (tests/e2e), each launched as users launch it.
-E2E_LAUNCHES ?= 94
+E2E_LAUNCHES ?= 93
 test-e2e: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(E2E_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider tests/e2e
 
 # Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
 # cell and its rerun, a chain of cells per worker. Three workers on two cores: a chain
 # mostly waits (for a fault to be seen, a launch to end), at two the load stayed 1.2-1.6.
-# Launches: one per cell (160, 20 of them a frozen rank), the last run of each chain that
+# Launches: one per cell (156, 20 of them a frozen rank), the last run of each chain that
 # shares a root (6), and the pool's (2 launches of cells that go on, 4 that stop and a
-# last run) = 173.
+# last run) = 169.
 SWEEP_XDIST ?= 3
-FAULT_LAUNCHES ?= 175
+FAULT_LAUNCHES ?= 171
 test-faults: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(FAULT_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
 

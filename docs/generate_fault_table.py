@@ -70,7 +70,14 @@ def render_page(t: ModuleType) -> str:
         " (-N: killed by signal N), that every process is gone within 60 s of the fault"
         " and none is left, and that the rerun finishes the budget with every retried"
         " trial a `success` and no finished result changed. The rule each cell follows is"
-        " a row of [How a trial ends](failures.md#how-a-trial-ends).",
+        " a row of [How a trial ends](failures.md#how-a-trial-ends). A few cells are"
+        " another step's in all but name, and only that one runs: "
+        + "; ".join(
+            f"`{point}` x `{fault}` as `{twin}` x `{fault}`"
+            for (point, fault), twin in t.TWINS.items()
+        )
+        + " (a fault to the follower while only the leader works: the follower waits in"
+        " the same receive, and the leader finds it lost at the same hand-over).",
         "",
         "Launchers: " + ", ".join(f"`{name}`" for name in t.LAUNCHERS) + " (Lightning"
         ' `strategy="ddp"` started as `python script.py`; torchrun `--standalone` with a'

@@ -67,6 +67,39 @@ def test_every_listed_point_is_in_the_code_and_every_point_in_the_code_is_listed
     )
 
 
+def test_a_cell_left_to_its_twin_is_expected_the_same_and_its_twin_is_swept() -> None:
+    """The sweep leaves a cell to a twin only where the table expects the same of both,
+    and the twin is a cell the sweep runs: on 3 ranks (``on_3_ranks_instead``), or at
+    another step (``TWINS``)."""
+    cells = set(table.CELLS)
+    point = {p.name: p for p in table.POINTS}
+    fault = {f.name: f for f in table.FAULTS}
+    left = 0
+
+    def same(a: table.Expect | table.Unreachable, b: table.Expect | table.Unreachable) -> bool:
+        assert isinstance(a, table.Expect) and isinstance(b, table.Expect)
+        return (a.row, a.trials, a.leader, a.follower, a.rerun) == (
+            b.row,
+            b.trials,
+            b.leader,
+            b.follower,
+            b.rerun,
+        )
+
+    for p in table.POINTS:
+        for f in table.FAULTS:
+            if table.on_3_ranks_instead("torchrun", p, f):
+                left += 1
+                assert ("torchrun3", p, f) in cells
+                assert same(table.expect("torchrun", p, f), table.expect("torchrun3", p, f))
+            if table.twin_swept(p, f):
+                left += 1
+                twin = point[table.TWINS[(p.name, f.name)]]
+                assert ("torchrun", twin, fault[f.name]) in cells
+                assert same(table.expect("torchrun", p, f), table.expect("torchrun", twin, f))
+    assert left == 22 + len(table.TWINS)
+
+
 def test_arming_an_unknown_point_names_the_points() -> None:
     with pytest.raises(ValueError, match=r"no fault point named handedd; the points are"):
         faults.arm(lambda name, context: None, ["handedd"])

@@ -131,35 +131,6 @@ class TestAKilledFollowerIsRetriedUpToTheLimitThenCrashed(CleanLaunch):
         assert not evaluated(retried.last, "2")
 
 
-class TestAUserExceptionIsNotRetried(CleanLaunch):
-    """The follower raises in trial 2 (a bad config, not the infrastructure): crashed as
-    before, evaluated once, and the search goes on (ignore_errors=True)."""
-
-    @pytest.fixture(scope="class")
-    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        command = python(LIGHTNING, "--trials", 4, "--ignore-errors")
-        return run(command, tmp_path_factory.mktemp("user_error"), fault="raise:follower:trial=2")
-
-    def test_only_the_failed_trial_is_crashed(self, launch: Result) -> None:
-        assert states(launch.root) == {
-            "1": "success",
-            "2": "crashed",
-            "3": "success",
-            "4": "success",
-        }
-
-    def test_nothing_was_taken_as_an_orphan(self, launch: Result) -> None:
-        assert "orphaned" not in launch.log
-
-    def test_the_failed_trial_was_evaluated_once_on_both_ranks(self, launch: Result) -> None:
-        assert sorted(e["rank"] for e in evaluated(launch, "2")) == [0, 1]
-
-    def test_its_lease_records_no_interrupted_attempt(self, launch: Result) -> None:
-        lease = read_lease(launch.root / "configs" / "config_2")
-        assert lease is not None
-        assert lease.attempts == ()
-
-
 @dataclass
 class TakeOver:
     victim: Result

@@ -63,6 +63,7 @@ from harness import (
     torchrun,
     trials_by_rank,
 )
+from neps_bcast.recovery.lease_file import read_lease
 
 POINTS_PER_CHAIN = 3
 """The steps one chain sweeps, one after another on one root: a chain ends with a last
@@ -529,6 +530,28 @@ def interrupted_after_hand_over(launch: Result, fired: dict[str, Any]) -> list[s
     return problems
 
 
+def user_error_not_retried(launch: Result, fired: dict[str, Any]) -> list[str]:
+    """A user's exception is the trial's own failure: evaluated once on both ranks, its
+    lease lists no interrupted attempt, nothing is taken for an orphan, and no process
+    left its trials to the interpreter's finalization."""
+    tid = handed_at(launch, fired)
+    problems = []
+    ranks = sorted(e["rank"] for e in launch.of("trial") if e["trial_id"] == tid)
+    if ranks != [0, 1]:
+        problems.append(f"trial {tid} evaluated on ranks {ranks}, want once on [0, 1]")
+    lease = read_lease(launch.root / "configs" / f"config_{tid}")
+    if lease is None or lease.attempts != ():
+        problems.append(f"trial {tid}'s lease {lease}: want one with no interrupted attempt")
+    if "orphaned" in launch.log:
+        problems.append("a trial was taken for an orphan")
+    problems += [
+        f"pid {e['pid']} left {e['trial_objects_alive']} to the interpreter's finalization"
+        for e in launch.of("at_exit")
+        if e["trial_objects_alive"]
+    ]
+    return problems
+
+
 def follower_stopped_waiting(launch: Result, fired: dict[str, Any]) -> list[str]:
     """A follower SIGTERMed while it waits for the next trial evaluates nothing after."""
     late = [e["trial_id"] for e in launch.of("trial") if e["rank"] == 1 and e["t"] > fired["t"]]
@@ -541,6 +564,7 @@ EXTRA = {
     ("lightning", "fit", "term_all"): signal_in_fit("term_all"),
     ("lightning", "fit", "term_follower"): follower_terminated,
     ("lightning", "fit", "kill_follower"): follower_killed,
+    ("lightning", "fit", "raise"): user_error_not_retried,
     ("lightning", "fit", "int_leader"): signal_in_fit("int_leader"),
     ("lightning", "fit", "kill_leader"): leader_killed,
     ("lightning", "sample", "kill_leader"): leader_killed,
