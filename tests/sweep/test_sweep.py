@@ -455,18 +455,25 @@ def clean_interpreter_ends(launch: Result) -> list[str]:
     return problems
 
 
+def survivor_exit(launch: Result, rank: int, error: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The rank that outlived its SIGKILLed peer: the only exit record (the killed one
+    writes none), code 1, raising an error that starts with ``error``."""
+    exits = launch.exits
+    record = exits.get(rank)
+    role = "leader" if rank == 0 else "follower"
+    if sorted(exits) != [rank] or record is None:
+        return None, [f"exit records by rank {sorted(exits)}, want the {role}'s only"]
+    if record["code"] != 1 or not str(record["error"]).startswith(error):
+        return record, [f"the {role}'s exit {record['code']} {record['error']!r}"]
+    return record, []
+
+
 def leader_killed(launch: Result, fired: dict[str, Any]) -> list[str]:
     """The follower exits 1 raising LeaderLostError naming it, says so in its log, and
     leaves by the exit that skips the final collection (the probe's "exit_path")."""
-    problems = []
-    exits = launch.exits
-    follower = exits.get(1)
-    if sorted(exits) != [1] or follower is None:
-        return [f"exit records by rank {sorted(exits)}, want the follower's only"]
-    if follower["code"] != 1 or not str(follower["error"]).startswith(
-        "LeaderLostError: [neps_bcast rank 1/"
-    ):
-        problems.append(f"the follower's exit {follower['code']} {follower['error']!r}")
+    follower, problems = survivor_exit(launch, 1, "LeaderLostError: [neps_bcast rank 1/")
+    if follower is None:
+        return problems
     lost = [
         line
         for line in launch.log.splitlines()
@@ -490,15 +497,8 @@ def handed_at(launch: Result, fired: dict[str, Any]) -> str:
 def follower_killed(launch: Result, fired: dict[str, Any]) -> list[str]:
     """The SIGKILLed follower recorded no exit; the leader exits 1 raising
     FollowerLostError that names rank 1."""
-    exits = launch.exits
-    leader = exits.get(0)
-    if sorted(exits) != [0] or leader is None:
-        return [f"exit records by rank {sorted(exits)}, want the leader's only"]
-    if leader["code"] != 1 or not str(leader["error"]).startswith(
-        "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: "
-    ):
-        return [f"the leader's exit {leader['code']} {leader['error']!r}"]
-    return []
+    prefix = "FollowerLostError: [neps_bcast rank 0/2 leader] rank 1 lost: "
+    return survivor_exit(launch, 0, prefix)[1]
 
 
 def follower_terminated(launch: Result, fired: dict[str, Any]) -> list[str]:
