@@ -112,9 +112,7 @@ FAULTS = (
 )
 
 SILENT_BOUND_S = 3
-"""The frozen faults come before ``raise`` in ``FAULTS``: a chain's cells run in this
-order, and a ``raise`` cell's search goes on to spend the chain's budget, so it must be
-the last. ``NEPS_BCAST_PEER_TIMEOUT_S`` in a frozen cell's launch (the default is 30 s)."""
+"""``NEPS_BCAST_PEER_TIMEOUT_S`` in a frozen cell's launch (the default is 30 s)."""
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ cell's launch is the previous one's rerun ("the same command again"). It evaluat
 trials the previous fault left pending first (NePS hands out pending trials before it
 samples; one left ``evaluating`` by a killed leader is put back at start-up), each of
 which must end a ``success``; its own fault lands on its N-th evaluation. A last launch
-without a fault finishes the budget: no trial may then be pending or evaluating, every
-retried trial is a success. Steps at the end of a search (``stop``) need the budget
+finishes the budget: no trial may then be pending or evaluating, every retried trial is
+a success. The cells whose fault the search survives (an exception: ``Chain.going``)
+land in that last launch, one after another, each in trials of its own. Steps at the end of a search (``stop``) need the budget
 spent in the faulted launch: each of their cells has a root of its own.
 
 ``NB_SWEEP_OUT=<file>``: each cell appends what it saw (a JSON line) for the report.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +95,43 @@ class Chain:
 
     @property
     def budget(self) -> int:
-        """Its ``--trials``: each faulted launch spends at most three evaluations, and
-        the last cells still get theirs; a step at the end of a search, its own."""
-        return 3 * len(self.cells) + 4 if self.shares_a_root else self.points[0].trials
+        """Its ``--trials``: each faulted launch spends at most its step's search, and
+        the last run still has a few to spend after the cells that go on; a step at the
+        end of a search, its own."""
+        if not self.shares_a_root:
+            return self.points[0].trials
+        return sum(p.trials for p, _ in self.cells) + 4
 
-    def command(self, trials: int | None = None) -> list[str]:
-        trials = self.budget if trials is None else trials
+    @property
+    def stopping(self) -> tuple[tuple[Point, Fault], ...]:
+        """The cells whose fault ends their launch: one launch each, in the table's order."""
+        return tuple(c for c in self.cells if c not in self.going)
+
+    @property
+    def going(self) -> tuple[tuple[Point, Fault], ...]:
+        """The cells whose fault does not stop the search (an exception the search
+        survives: the trial crashed or the step tried again, every later trial a
+        success). On a shared root they land one after another in the chain's last run,
+        each in trials of its own, instead of a launch each (~15 CPU-seconds of imports)
+        that would only go on to the same end."""
+        if not self.shares_a_root:
+            return ()
+        going = [c for c in self.cells if _goes_on(self.launcher, *c)]
+        # A process counts the trials its function ran (faults.py's ``trial=N``). After
+        # a trial whose leader raised once it had handed it over, the follower may or may
+        # not have run its function: such cells come last, no count depends on them.
+        return tuple(sorted(going, key=lambda c: c[0].owner == "leader" and c[0].kind == "trial"))
+
+    def command(self) -> list[str]:
+        trials = self.budget
         if self.launcher == "lightning":
             return python(LIGHTNING, "--trials", trials, "--ignore-errors")
         return torchrun(RANKS[self.launcher], TORCH_DDP, "--trials", trials, "--ignore-errors")
+
+
+def _goes_on(launcher: str, point: Point, fault: Fault) -> bool:
+    want = expect(launcher, point, fault)
+    return not isinstance(want, Unreachable) and want.goes_on
 
 
 ONLY = {f for f in os.environ.get("NB_SWEEP_FAULTS", "").split(",") if f}
@@ -207,8 +236,17 @@ def check_trials(
 ) -> list[str]:
     """The trials this launch was handed (its N-th is the table's trial N) are as the
     table says; nothing finished before changed; nothing else appeared."""
+    return check_states(want, after, order) + untouched(before, after, order)
+
+
+def check_states(
+    want: Expect, after: dict[str, tuple[str, Any]], order: list[str], by: int = 0
+) -> list[str]:
+    """The launch's trials ``by + 1``, ``by + 2``, ... are the table's trials 1, 2, ...
+    of ``want`` (all of them, and every later one too where the search goes on)."""
     problems = []
-    for n, tid in enumerate(order, start=1):
+    mine = order[by:] if want.goes_on else order[by : by + len(want.trials)]
+    for n, tid in enumerate(mine, start=1):
         allowed = want.trials.get(str(n))
         if allowed is None and want.goes_on and n > len(want.trials):
             allowed = frozenset({"success"})
@@ -217,14 +255,22 @@ def check_trials(
             problems.append(f"NePS handed a trial {n} ({tid}, now {state}); the table has none")
         elif state not in allowed:
             problems.append(
-                f"trial {n} of the launch ({tid}) is {state}, want {'|'.join(sorted(allowed))}"
+                f"trial {by + n} of the launch ({tid}) is {state}, want {'|'.join(sorted(allowed))}"
             )
-    missing = [n for n in want.trials if int(n) > len(order) and n not in want.maybe]
+    missing = [n for n in want.trials if int(n) > len(mine) and n not in want.maybe]
     if missing:
         problems.append(
-            f"NePS handed {len(order)} trials ({order}); the table expects {sorted(want.trials)}"
+            f"NePS handed {len(mine)} trials ({mine}); the table expects {sorted(want.trials)}"
         )
-    problems += results_lost(before, after)
+    return problems
+
+
+def untouched(
+    before: dict[str, tuple[str, Any]], after: dict[str, tuple[str, Any]], order: list[str]
+) -> list[str]:
+    """Nothing finished before the launch changed, and no trial appeared that NePS did
+    not hand the leader."""
+    problems = results_lost(before, after)
     appeared = set(after) - set(before) - set(order)
     if appeared:
         problems.append(f"trials {sorted(appeared)} appeared but were never handed to the leader")
@@ -274,15 +320,9 @@ def run_cell(
     before = neps_view(root)
     text = spec(point, fault, RANKS[chain.launcher])
     silent = {"NEPS_BCAST_PEER_TIMEOUT_S": str(SILENT_BOUND_S)} if fault.kind == "sigstop" else {}
-    command = chain.command()
-    if want.goes_on and chain.shares_a_root:
-        # A launch the fault does not stop would spend the chain's whole budget and leave
-        # the later cells nothing: it ends after the step's own search instead (its
-        # pending trials first). Nothing of it is retried, so no rerun needs its command.
-        spent = sum(1 for state, _ in before.values() if state in FINISHED)
-        command = chain.command(trials=spent + point.trials)
+    assert (point, fault) not in chain.going, "a cell that goes on lands in the last run"
     launch = run(
-        command,
+        chain.command(),
         tmp_path,
         name=f"{i:02d}-{point.name}-{fault.name}",
         cwd=cwd,
@@ -331,7 +371,7 @@ def run_cell(
 def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
     problems: list[str] = []
     logs: list[str] = []
-    for i, (point, fault) in enumerate(chain.cells, start=1):
+    for i, (point, fault) in enumerate(chain.stopping, start=1):
         found, tail = run_cell(chain, point, fault, tmp_path, i)
         problems += found
         if tail:
@@ -343,19 +383,111 @@ def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
     assert not problems, "\n".join(problems) + "\n" + "\n".join(logs[-3:])
 
 
+def runs_no_function(launcher: str, point: Point, want: Expect) -> bool:
+    """The cell's faulted trial is counted by no rank (faults.py counts the trials whose
+    function a process ran): its leader's step raised before the hand-over (the
+    followers never held it), or, under Lightning, a rank raised while the group formed
+    again, which each rank does there before its function runs (seen in the records)."""
+    assert point.trial is not None
+    crashed = want.trials[str(point.trial)] == S({"crashed"})
+    return crashed and (point.kind == "before" or (launcher, point.name) == ("lightning", "form"))
+
+
+def shifted(text: str, by: int) -> str:
+    """A cell's faults, each ``trial=N`` moved ``by`` evaluations later."""
+    return re.sub(r"trial=(\d+)", lambda m: f"trial={int(m.group(1)) + by}", text)
+
+
 def last_run(chain: Chain, tmp_path: Path, logs: list[str]) -> list[str]:
-    """The same command once more, without a fault: it finishes the budget."""
+    """The same command once more: it finishes the budget. It first evaluates the trials
+    the last stopping cell left pending (each a success), then the cells that go on
+    (``Chain.going``), each in trials of its own, their faults shifted there, and spends
+    the rest of the budget (each trial a success)."""
+    if not chain.shares_a_root:
+        return []
+    root = tmp_path / "results"
+    before = neps_view(root)
+    retries = sum(1 for state, _ in before.values() if state not in FINISHED)
+    plan = []
+    at, lag = retries, 0
+    for point, fault in chain.going:
+        want = expect(chain.launcher, point, fault)
+        assert isinstance(want, Expect) and point.trial is not None
+        plan.append((point, fault, want, at, at - lag))
+        at += len(want.trials)
+        if runs_no_function(chain.launcher, point, want):
+            lag += 1
+    spent = sum(1 for state, _ in before.values() if state in FINISHED)
+    assert at <= chain.budget - spent, f"{chain.id}: its budget leaves too few for its cells"
+    text = ", ".join(shifted(spec(p, f, RANKS[chain.launcher]), by) for p, f, _, _, by in plan)
+    last = run(chain.command(), tmp_path, name="last", fault=text)
+    after = neps_view(root)
+    order = handed_order(last)
     problems: list[str] = []
-    if chain.shares_a_root:
-        root = tmp_path / "results"
-        before = neps_view(root)
-        last = run(chain.command(), tmp_path, name="last")
-        found = check_finished(before, neps_view(root), chain.budget)
-        found += check_exits(chain.launcher, ALL_ZERO, last, last=True, others_want=S({0}))
-        problems += [f"{chain.id}, the last run: {p}" for p in found]
-        if found:
-            logs.append(last.tail(40))
+    found = check_finished(before, after, chain.budget)
+    found += check_exits(chain.launcher, ALL_ZERO, last, last=True, others_want=S({0}))
+    found += [
+        f"trial {n} of the launch ({tid}) is {after.get(tid, ('missing',))[0]}, want success"
+        for n, tid in enumerate(order, start=1)
+        if not any(at < n <= at + len(want.trials) for _, _, want, at, _ in plan)
+        and after.get(tid, ("missing",))[0] != "success"
+    ]
+    if plan:  # the records of a launch without a fault name no trial handed out
+        found += untouched(before, after, order)
+    problems += [f"{chain.id}, the last run: {p}" for p in found]
+    for point, fault, want, at, by in plan:
+        problems += going_cell(chain, point, fault, want, at, by, last, after, order)
+    if problems:
+        logs.append(last.tail(40))
     return problems
+
+
+def going_cell(
+    chain: Chain,
+    point: Point,
+    fault: Fault,
+    want: Expect,
+    at: int,
+    by: int,
+    launch: Result,
+    after: dict[str, tuple[str, Any]],
+    order: list[str],
+) -> list[str]:
+    """A cell of the last run: its fault fired at its step in its own trials (the
+    launch's ``at + 1``, ...; its processes' count of the trials they ran, ``by + 1``,
+    ...), which are as the table says; the launch ended on its own; its EXTRA checks."""
+    assert point.trial is not None
+    problems = []
+    fired = [
+        e
+        for e in launch.of("fault")
+        if e.get("where") == point.name and e.get("seq") == point.trial + by
+    ]
+    if not fired:
+        problems.append(f"the fault never fired at {point.name}: the cell did not test")
+    else:
+        try:
+            launch.ended_on_their_own(max(e["t"] for e in launch.of("fault")))
+        except AssertionError as exc:
+            problems.append(str(exc).split(" records from ")[0])
+        check = EXTRA.get((chain.launcher, point.name, fault.name))
+        if check is not None:  # its checks read the launch's order: the trial's place in it
+            problems += check(launch, dict(fired[0], seq=fired[0]["seq"] + at - by))
+    problems += check_states(replace(want, goes_on=False), after, order, at)
+    report(
+        {
+            "cell": f"{chain.launcher}-{point.name}-{fault.name}",
+            "spec": shifted(spec(point, fault, RANKS[chain.launcher]), by),
+            "row": want.row,
+            "ok": not problems,
+            "problems": problems,
+            "launcher_rc": launch.returncode,
+            "handed": [(tid, after.get(tid, ("missing",))[0]) for tid in order],
+        }
+    )
+    head = f"{chain.launcher}-{point.name}-{fault.name} (in the last run, trials {at + 1}-"
+    head += f"{at + len(want.trials)}), row {want.row!r}"
+    return [f"{head}: {p}" for p in problems]
 
 
 ALL_ZERO = Expect("returns", {}, S({0}), S({0}), False)
@@ -542,8 +674,8 @@ def user_error_not_retried(launch: Result, fired: dict[str, Any]) -> list[str]:
     lease = read_lease(launch.root / "configs" / f"config_{tid}")
     if lease is None or lease.attempts != ():
         problems.append(f"trial {tid}'s lease {lease}: want one with no interrupted attempt")
-    if "orphaned" in launch.log:
-        problems.append("a trial was taken for an orphan")
+    if f"orphaned trial {tid} " in launch.log:
+        problems.append(f"trial {tid} was taken for an orphan")
     problems += [
         f"pid {e['pid']} left {e['trial_objects_alive']} to the interpreter's finalization"
         for e in launch.of("at_exit")
