@@ -41,6 +41,7 @@ import launches
 from exits import ExitWatch
 from neps_bcast.compat import procfs
 from neps_bcast.ddp.forming import ARRIVAL_CHECK
+from neps_bcast.transport import sockets
 from scenario import Scenario
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -177,6 +178,12 @@ def default_sigint() -> None:
 
 def marked_pids(marker: str) -> list[int]:
     return procfs.pids_with_env(MARKER, marker)
+
+
+def listening_ports(pid: int) -> dict[int, str]:
+    """port -> address of every TCP socket the process listens on (/proc/net/tcp)."""
+    table = sockets.tcp_table()
+    return {port: ip for ip, port in sockets.listening(table, sockets.socket_inodes(pid))}
 
 
 def read_records(record_dir: Path) -> list[dict[str, Any]]:

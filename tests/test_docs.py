@@ -680,7 +680,7 @@ def test_the_quickstart_search_is_complete_in_neps_and_in_the_status(
 GUARANTEES: dict[str, tuple[str, ...]] = {
     "All ranks evaluate the same trial with the same arguments, in the leader's order.": (
         "tests/test_e2e_guarantees.py::TestEveryRankEvaluatesTheLeadersTrials::test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments[2_ranks]",
-        "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments[2_ranks]",
+        "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_rank_evaluated_the_leaders_trials_with_the_same_arguments",
     ),
     "On a follower, neps_bcast never calls `neps.run` and never reads or creates anything under the NePS root; only your own code may (a checkpoint in `pipeline_directory` to resume from, which then needs a filesystem every rank sees).": (
         "tests/test_e2e_guarantees.py::TestEveryRankEvaluatesTheLeadersTrials::test_followers_never_touched_neps_or_its_root[2_ranks]",
@@ -709,8 +709,8 @@ GUARANTEES: dict[str, tuple[str, ...]] = {
     "When the leader's `neps.run` returns, every process of the launch exits 0 and none is left running.": (
         "tests/test_e2e_guarantees.py::TestEveryRankEvaluatesTheLeadersTrials::test_every_process_that_started_exited_with_0[2_ranks]",
         "tests/test_e2e_guarantees.py::TestEveryRankEvaluatesTheLeadersTrials::test_no_process_of_the_launch_is_left[2_ranks]",
-        "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_process_that_started_exited_with_0[2_ranks]",
-        "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_no_process_of_the_launch_is_left[2_ranks]",
+        "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_every_process_that_started_exited_with_0",
+        "tests/e2e/test_e2e_external.py::TestTorchrunLightningReusesTheGroup::test_no_process_of_the_launch_is_left",
     ),
     "In a pool, a lost process costs only its own trial: it goes back to `pending` and runs again on fresh ranks while the other trials go on. A frozen agent or rank is SIGKILLed by the launcher within `NEPS_BCAST_PEER_TIMEOUT_S`, and a frozen launcher by its agents and ranks, each then ending as a killed one does.": (
         "tests/e2e/test_e2e_pool.py::TestARankKilledInATrialPutsOnlyThatTrialBack::test_the_killed_trial_went_back_to_pending_and_ran_again",

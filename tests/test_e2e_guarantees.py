@@ -47,6 +47,7 @@ from harness import (
     evaluated,
     first_fault,
     identical_on_every_rank,
+    listening_ports,
     marked_pids,
     neps_trials,
     python,
@@ -136,10 +137,45 @@ class TestEveryRankEvaluatesTheLeadersTrials(CleanLaunch):
         assert "[neps_bcast rank 0/" in launch.log
 
 
+@dataclass
+class Listening:
+    launch: Result
+    ports: dict[int, str]
+    """What the process listened on while trial 2 was held in its session."""
+
+
 class TestSingleProcessBehavesLikeNepsRun(CleanLaunch):
+    """One process, 4 trials. Trial 2 is held inside its session (the ``hold`` fault)
+    until the test has read what the process listens on: a single-process search serves
+    no store (docs/security.md, "Local launches stay local")."""
+
     @pytest.fixture(scope="class")
-    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        return run(python(SINGLE, "--trials", 4), tmp_path_factory.mktemp("single"))
+    def listening(self, tmp_path_factory: pytest.TempPathFactory) -> Listening:
+        tmp = tmp_path_factory.mktemp("single")
+        release = tmp / "release"
+        running = start(
+            python(SINGLE, "--trials", 4),
+            tmp,
+            fault=f"hold:leader:trial=2:at=session:until={release}",
+        )
+        try:
+            held = running.wait_for(
+                "trial 2 held in its session",
+                lambda ev: next((e for e in ev if e["event"] == "fault" and e["seq"] == 2), None),
+            )
+            ports = listening_ports(int(held["pid"]))
+        finally:
+            release.touch()
+        return Listening(running.finish(), ports)
+
+    @pytest.fixture(scope="class")
+    def launch(self, listening: Listening) -> Result:
+        return listening.launch
+
+    def test_it_listens_on_no_port(self, listening: Listening) -> None:
+        """The same reading sees the Lightning leader's listeners
+        (tests/e2e/test_e2e_security.py)."""
+        assert listening.ports == {}, f"a single-process search listens on {listening.ports}"
 
     def test_every_trial_ran_on_a_leader_without_a_group(self, launch: Result) -> None:
         trials = launch.of("trial")

@@ -86,44 +86,44 @@ class FollowsItsLeader:
 
 
 class TestTorchrunLightningReusesTheGroup(CleanLaunch, FollowsItsLeader):
-    """torchrun starts every rank; Lightning ddp trains on the group neps_bcast formed."""
+    """torchrun starts every rank (4 of them, 3 trials); Lightning ddp trains on the group
+    neps_bcast formed.
 
-    @pytest.fixture(scope="class", params=[(2, 4), (4, 3)], ids=["2_ranks", "4_ranks"])
-    def size(self, request: pytest.FixtureRequest) -> tuple[int, int]:
-        nproc, trials = request.param
-        return nproc, trials
+    One launch of 4 ranks, not one of 2 as well: every check here is a function of the
+    group's size (each follower evaluated the leader's trials, exited 0, never touched
+    NePS; the last follower, rank 3, joined the control channel; every trial ran in the 4
+    processes torchrun started), so 4 ranks check all that 2 did (rank 1 is a follower of
+    both) and ranks 2 and 3 as well."""
+
+    NPROC = 4
+    TRIALS = 3
 
     @pytest.fixture(scope="class")
-    def launch(self, size: tuple[int, int], tmp_path_factory: pytest.TempPathFactory) -> Result:
-        nproc, trials = size
-        command = torchrun(nproc, LIGHTNING, "--devices", nproc, "--trials", trials, "--with-dirs")
+    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
+        command = torchrun(
+            self.NPROC, LIGHTNING, "--devices", self.NPROC, "--trials", self.TRIALS, "--with-dirs"
+        )
         return run(command, tmp_path_factory.mktemp("torchrun_lightning"))
 
     @pytest.fixture(scope="class")
-    def group(self, launch: Result, size: tuple[int, int]) -> Group:
-        return Group.of(launch, size[0])
+    def group(self, launch: Result) -> Group:
+        return Group.of(launch, self.NPROC)
 
-    def test_the_leader_evaluated_the_whole_budget(
-        self, group: Group, size: tuple[int, int]
-    ) -> None:
-        assert len(identical_on_every_rank(group.events, group.world)) == size[1]
+    def test_the_leader_evaluated_the_whole_budget(self, group: Group) -> None:
+        assert len(identical_on_every_rank(group.events, group.world)) == self.TRIALS
 
-    def test_every_trial_ran_in_the_processes_torchrun_started(
-        self, launch: Result, size: tuple[int, int]
-    ) -> None:
+    def test_every_trial_ran_in_the_processes_torchrun_started(self, launch: Result) -> None:
         """Lightning spawned nothing."""
         started = {e["pid"] for e in launch.of("start")}
-        assert len(started) == size[0]
+        assert len(started) == self.NPROC
         assert {e["pid"] for e in launch.of("trial")} == started
 
-    def test_the_group_existed_before_trial_1(self, launch: Result, size: tuple[int, int]) -> None:
-        assert {e["world_size"] for e in launch.of("trial")} == {size[0]}
+    def test_the_group_existed_before_trial_1(self, launch: Result) -> None:
+        assert {e["world_size"] for e in launch.of("trial")} == {self.NPROC}
 
-    def test_the_last_follower_joined_the_control_channel(
-        self, launch: Result, size: tuple[int, int]
-    ) -> None:
-        nproc = size[0]
-        assert f"[neps_bcast rank {nproc - 1}/{nproc} follower] control channel up" in launch.log
+    def test_the_last_follower_joined_the_control_channel(self, launch: Result) -> None:
+        last = self.NPROC - 1
+        assert f"[neps_bcast rank {last}/{self.NPROC} follower] control channel up" in launch.log
 
 
 class FabricChecks(CleanLaunch, FollowsItsLeader):

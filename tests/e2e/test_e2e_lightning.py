@@ -37,63 +37,6 @@ class TestEveryRankEvaluatesTheLeadersTrialsOn3Ranks(EveryRankChecks):
         return int(request.param)
 
 
-class TestMultiFidelityContinuesFromThePreviousCheckpoint(CleanLaunch):
-    """hyperband over an epochs fidelity, 6 trials: promoted trials resume the
-    checkpoint their previous trial saved."""
-
-    @pytest.fixture(scope="class")
-    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        command = python(
-            LIGHTNING, "--space", "fidelity", "--optimizer", "hyperband", "--trials", 6
-        )
-        return run(command, tmp_path_factory.mktemp("fidelity"))
-
-    @staticmethod
-    def promoted(launch: Result) -> list[dict[str, object]]:
-        return [e for e in launch.of("trial") if e["previous_pipeline_directory"]]
-
-    def test_both_ranks_evaluated_the_same_trials(self, launch: Result) -> None:
-        identical_on_every_rank(launch, 2)
-
-    def test_hyperband_promoted_a_trial(self, launch: Result) -> None:
-        """Without a promotion nothing below tests a continuation."""
-        assert self.promoted(launch), launch.tail()
-
-    def test_both_ranks_continued_the_promoted_trials(self, launch: Result) -> None:
-        assert {e["rank"] for e in self.promoted(launch)} == {0, 1}
-
-    def test_the_previous_checkpoint_was_there_on_every_rank(self, launch: Result) -> None:
-        assert all(e["ckpt_exists"] for e in self.promoted(launch)), self.promoted(launch)
-
-    def test_the_previous_directory_is_the_one_neps_recorded(self, launch: Result) -> None:
-        recorded = neps_trials(launch.root)
-        for e in self.promoted(launch):
-            location = recorded[str(e["trial_id"])].metadata.previous_trial_location
-            assert Path(str(e["previous_pipeline_directory"])) == Path(location)
-
-    def test_a_promoted_trial_trains_more_epochs(self, launch: Result) -> None:
-        assert all(e["kwargs"]["epochs"] > 1 for e in self.promoted(launch))  # type: ignore[index]
-
-    def test_lightning_restored_the_checkpoint(self, launch: Result) -> None:
-        assert "Restored all states from the checkpoint" in launch.log
-
-    def test_neps_recorded_every_trial_as_a_success(self, launch: Result) -> None:
-        recorded = neps_trials(launch.root)
-        assert all(
-            t.report is not None and t.report.reported_as == "success" for t in recorded.values()
-        )
-
-    def test_the_follower_never_touched_neps(self, launch: Result) -> None:
-        assert launch.exits[1]["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}
-
-    def test_the_follower_opened_only_the_checkpoints_under_the_root(self, launch: Result) -> None:
-        """Lightning's fit(ckpt_path=...) reads the checkpoint on every rank: the user's
-        own code; the same reading sees those opens (positive control)."""
-        paths = launch.exits[1]["root_access"]["paths"]
-        assert paths, "the user's checkpoint load was not seen"
-        assert all(p.endswith("/last.ckpt") for p in paths), paths
-
-
 class TestDdpSpawnKeepsWorking(CleanLaunch):
     """Lightning ddp_spawn: only the leader runs the script; Lightning's spawned workers
     run the fit only."""
@@ -151,15 +94,61 @@ def threads_cpu_ns(pid: int) -> int:
     return total
 
 
-class TestAWaitingFollowerUsesNoCpu(CleanLaunch):
+class TheFunctionChangesDirectoryUnderARelativeRoot:
+    """The function os.chdir()s into a fresh folder under ``cwd/moved`` at its start, on
+    every rank, and the root is relative ("results", to the launch's cwd): every trial is
+    still recorded in <cwd>/results, nothing lands under the folders it moved to. A class
+    provides ``launch`` (3 trials on 2 ranks, ``--chdir-into cwd/moved``) and ``cwd``."""
+
+    def test_the_leader_resolved_the_root_under_the_launch_cwd(
+        self, launch: Result, cwd: Path
+    ) -> None:
+        """(Lightning starts the follower at the first fit, in the folder the function
+        moved to: a follower never uses the root.)"""
+        leader = next(e for e in launch.of("start") if e["proc_rank"] == 0)
+        assert leader["root"] == str(cwd / "results"), leader
+
+    def test_every_rank_moved_in_every_trial(self, launch: Result) -> None:
+        assert {(e["proc_rank"], e["seq"]) for e in launch.of("chdir")} == {
+            (r, s) for r in (0, 1) for s in (1, 2, 3)
+        }
+
+    def test_neps_recorded_every_trial_in_the_root(self, launch: Result, cwd: Path) -> None:
+        recorded = neps_trials(cwd / "results")
+        assert sorted(recorded) == ["1", "2", "3"]
+        assert all(t.report.reported_as == "success" for t in recorded.values())
+
+    def test_nothing_landed_under_the_folders_it_moved_to(self, cwd: Path, launch: Result) -> None:
+        moved = cwd / "moved"
+        assert not list(moved.rglob("results")), sorted(moved.rglob("*"))
+
+    def test_both_ranks_evaluated_the_same_trials(self, launch: Result) -> None:
+        identical_on_every_rank(launch, 2)
+
+
+class TestAWaitingFollowerUsesNoCpuInAFunctionThatChangesDirectory(
+    CleanLaunch, TheFunctionChangesDirectoryUnderARelativeRoot
+):
     """While the leader's NePS takes 5 s to sample trial 3, the follower waits for it:
-    it must use < 1% of a core over that window (a polling loop uses ~100%)."""
+    it must use < 1% of a core over that window (a polling loop uses ~100%). The same
+    launch's function moves into a folder of its own in every trial, under the relative
+    root ``results`` (``TheFunctionChangesDirectoryUnderARelativeRoot``): one launch for
+    both, since neither scenario touches what the other's checks read (the move happens
+    at the function's start, before ``session()``; the pause is the leader's sampling,
+    between trials; the CPU window is the follower's wait on the channel, after it
+    freed trial 2)."""
 
     @pytest.fixture(scope="class")
-    def waiting(self, tmp_path_factory: pytest.TempPathFactory) -> Waiting:
+    def cwd(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        cwd = tmp_path_factory.mktemp("waiting")
+        (cwd / "moved").mkdir()
+        return cwd
+
+    @pytest.fixture(scope="class")
+    def waiting(self, cwd: Path) -> Waiting:
         running = start(
-            python(LIGHTNING, "--trials", 3),
-            tmp_path_factory.mktemp("waiting"),
+            python(LIGHTNING, "--trials", 3, "--root", "results", "--chdir-into", cwd / "moved"),
+            cwd,
             fault="sleep:leader:trial=2:at=sample:s=5",
         )
         follower_pid = running.wait_for(
@@ -216,48 +205,3 @@ class TestAWaitingFollowerUsesNoCpu(CleanLaunch):
 
     def test_the_follower_evaluated_every_trial(self, launch: Result) -> None:
         assert [e["trial_id"] for e in launch.of("trial") if e["rank"] == 1] == ["1", "2", "3"]
-
-
-class TestTheFunctionChangesDirectoryUnderARelativeRoot(CleanLaunch):
-    """The function os.chdir()s into a fresh folder at its start, on every rank, and the
-    root is relative ("results", to the launch's cwd): every trial is still recorded in
-    <cwd>/results, nothing lands under the folders it moved to, and every process is gone
-    within 15 s of the launcher's exit (CleanLaunch)."""
-
-    @pytest.fixture(scope="class")
-    def cwd(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        cwd = tmp_path_factory.mktemp("chdir")
-        (cwd / "moved").mkdir()
-        return cwd
-
-    @pytest.fixture(scope="class")
-    def launch(self, cwd: Path) -> Result:
-        command = python(
-            LIGHTNING, "--trials", 3, "--root", "results", "--chdir-into", cwd / "moved"
-        )
-        return run(command, cwd)
-
-    def test_the_leader_resolved_the_root_under_the_launch_cwd(
-        self, launch: Result, cwd: Path
-    ) -> None:
-        """(Lightning starts the follower at the first fit, in the folder the function
-        moved to: a follower never uses the root.)"""
-        leader = next(e for e in launch.of("start") if e["proc_rank"] == 0)
-        assert leader["root"] == str(cwd / "results"), leader
-
-    def test_every_rank_moved_in_every_trial(self, launch: Result) -> None:
-        assert {(e["proc_rank"], e["seq"]) for e in launch.of("chdir")} == {
-            (r, s) for r in (0, 1) for s in (1, 2, 3)
-        }
-
-    def test_neps_recorded_every_trial_in_the_root(self, launch: Result, cwd: Path) -> None:
-        recorded = neps_trials(cwd / "results")
-        assert sorted(recorded) == ["1", "2", "3"]
-        assert all(t.report.reported_as == "success" for t in recorded.values())
-
-    def test_nothing_landed_under_the_folders_it_moved_to(self, cwd: Path, launch: Result) -> None:
-        moved = cwd / "moved"
-        assert not list(moved.rglob("results")), sorted(moved.rglob("*"))
-
-    def test_both_ranks_evaluated_the_same_trials(self, launch: Result) -> None:
-        identical_on_every_rank(launch, 2)

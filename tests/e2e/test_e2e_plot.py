@@ -1,16 +1,17 @@
 """End to end: ``neps-bcast status ROOT --plot FILE`` draws real searches, checked by the
 figure's content (not its pixels) against what NePS and the launches recorded.
 
-Three launches:
+Two launches here, and the pool's picture on another file's launch:
 
 - Lightning ``strategy="ddp"``, 2 ranks: the leader's code raises in its 2nd trial
   (crashed) and the leader is SIGKILLed in its 3rd; the same command again takes that
   trial back (put back, its owner gone) and finishes the budget. Two leaders, so two
   rows; the killed attempt is a put-back bar on the first leader's row, with a marker
   and its cause, and the retry a success bar on the second's.
-- ``neps-bcast launch --pool 2 examples/pool.py``: trials of 1 or 2 ranks (the example's
-  ``ranks_per_trial``) on two devices: a row per device, each trial's bars on as many
-  rows as its config's size, never two at once on one device.
+- ``neps-bcast launch --pool 2``, trials of 1 or 2 ranks on two devices
+  (``PoolPictureChecks``, run on tests/e2e/test_e2e_pool_promotion.py's Lightning
+  launch, ``examples/pool_promotion.py``): a row per device, each trial's bars on as
+  many rows as its placement's devices, never two at once on one device.
 
 Checks: one bar per attempt on its row, its start and end NePS's (``time_started``,
 ``time_end``, read with NePS's own reader) or the lease's history for an interrupted
@@ -29,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from harness import LIGHTNING, NEPS_BCAST, Result, base_env, neps_trials, pool_launch, python, run
+from harness import LIGHTNING, NEPS_BCAST, Result, base_env, neps_trials, python, run
 from neps_bcast.config import Settings
 from neps_bcast.launcher import search_plot, search_status, trial_placement
 from neps_bcast.recovery.lease_file import read_lease
@@ -173,30 +174,23 @@ class TestLightningCrashKilledLeaderAndRerun:
 
 
 # -- a pool of 2, trials of 1 or 2 ranks ---------------------------------------------------------
-class TestPoolOfTwo:
-    @pytest.fixture(scope="class")
-    def search(self, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-        tmp = tmp_path_factory.mktemp("plot_pool")
-        result = run(pool_launch(tmp, EXAMPLES / "pool.py", 6, pool=2), tmp, timeout=420.0)
-        return {"result": result, "root": tmp / "root"}
+class PoolPictureChecks:
+    """The picture of a pool of 2 whose trials take 1 or 2 ranks, each trial's size its
+    placement's (``trial_placement``: the devices the launcher gave it). A class provides
+    ``launch``: a ``neps-bcast launch --pool 2`` whose every trial is a success (that it
+    is, with its exit code and nothing left, the class checks itself). Run on
+    tests/e2e/test_e2e_pool_promotion.py's Lightning launch (its first rung's trials on
+    1 rank, its promoted ones on 2): a launch of its own drew the same picture."""
 
-    def test_the_search_ended_cleanly(self, search: dict[str, Any]) -> None:
-        result: Result = search["result"]
-        assert result.returncode == 0, result.tail()
-        assert {state(t) for t in neps_record(search["root"]).values()} == {"success"}
-
-    def test_one_row_per_device_and_a_bar_per_device_of_each_trial(
-        self, search: dict[str, Any]
-    ) -> None:
-        pic, fig = drawn(search["root"])
+    def test_one_row_per_device_and_a_bar_per_device_of_each_trial(self, launch: Result) -> None:
+        pic, fig = drawn(launch.root)
         assert [r.label.split(" ", 1)[1] for r in pic.rows] == ["device 0", "device 1"]
-        record = neps_record(search["root"])
-        for tid, t in record.items():
-            size = 1 if int(t.config["epochs"]) <= 2 else 2  # the example's ranks_per_trial
+        for tid, t in neps_record(launch.root).items():
+            placed = trial_placement.read(Path(t.metadata.location))
+            assert placed is not None and placed.devices, (tid, placed)
+            size = len(placed.devices)
             mine = [b for b in pic.bars if b.trial_id == tid]
             assert len(mine) == size and len({b.row for b in mine}) == size, (tid, mine)
-            placed = trial_placement.read(Path(t.metadata.location))
-            assert placed is not None and len(placed.devices) == size
             for b in mine:
                 # On its devices from its placement (its agent held it evaluating while it
                 # waited for them, since NePS's time_started) to NePS's time_end.
@@ -208,8 +202,16 @@ class TestPoolOfTwo:
                 assert b.outcome == "success"
         assert_colours_follow_the_bars(pic, fig)
 
-    def test_no_device_runs_two_trials_at_once(self, search: dict[str, Any]) -> None:
-        pic, _ = drawn(search["root"])
+    def test_trials_of_one_and_of_two_devices_were_drawn(self, launch: Result) -> None:
+        """The positive control of the test above: it saw bars of both sizes."""
+        sizes = set()
+        for t in neps_record(launch.root).values():
+            placed = trial_placement.read(Path(t.metadata.location))
+            sizes.add(len(placed.devices) if placed is not None else 0)
+        assert sizes == {1, 2}, sizes
+
+    def test_no_device_runs_two_trials_at_once(self, launch: Result) -> None:
+        pic, _ = drawn(launch.root)
         for row in range(len(pic.rows)):
             spans = sorted((b.start, b.end) for b in pic.bars if b.row == row)
             for (_, end), (start, _) in itertools.pairwise(spans):
@@ -218,12 +220,12 @@ class TestPoolOfTwo:
                 assert start >= end - 1.0, spans
 
     def test_the_best_so_far_is_the_running_minimum_in_the_order_trials_ended(
-        self, search: dict[str, Any]
+        self, launch: Result
     ) -> None:
-        pic, _ = drawn(search["root"])
+        pic, _ = drawn(launch.root)
         done = sorted(
             (t.metadata.time_end, tid, t.report.objective_to_minimize)
-            for tid, t in neps_record(search["root"]).items()
+            for tid, t in neps_record(launch.root).items()
         )
         steps: list[tuple[str, float]] = []
         for _, tid, objective in done:

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_e2e_plot import PoolPictureChecks
 
 from harness import SCRIPTS, Result, neps_trials, pool_launch, start, states
+from neps_bcast.launcher import trial_placement
 
 REPO = Path(__file__).resolve().parents[2]
 TRIALS = 8
@@ -99,6 +101,17 @@ class PromotionChecks:
             assert len({s["end_step"] for s in high}) == 1, high
             assert high[0]["end_step"] > low["end_step"], (low, high)
 
+    def test_every_trial_ran_on_as_many_ranks_as_its_placement_has_devices(
+        self, launch: Result
+    ) -> None:
+        """The placement the pool's picture draws each trial's bars from is the group that
+        trained it."""
+        for trial in states(launch.root):
+            placed = trial_placement.read(launch.root / "configs" / f"config_{trial}")
+            assert placed is not None, trial
+            seen = seen_by_rank(launch.root, trial)
+            assert len(seen) == len(placed.devices), (trial, placed, seen)
+
     def test_a_trial_that_continues_nothing_starts_at_step_0(self, launch: Result) -> None:
         """The positive control of the test above: the counter is the trial's own."""
         promoted = {p for p, _, _ in promotions(launch)}
@@ -109,8 +122,10 @@ class PromotionChecks:
             assert (seen["start_step"], seen[self.LOADED]) == (0, None), (trial, seen)
 
 
-class TestLightningPromotionResumesItsCheckpointOnTwoRanks(PromotionChecks):
-    """``examples/pool_promotion.py``, as its docstring says."""
+class TestLightningPromotionResumesItsCheckpointOnTwoRanks(PromotionChecks, PoolPictureChecks):
+    """``examples/pool_promotion.py``, as its docstring says; and ``neps-bcast status
+    --plot``'s picture of this pool (``PoolPictureChecks``, tests/e2e/test_e2e_plot.py:
+    its trials take 1 rank or 2, as a pool's picture needs)."""
 
     CHECKPOINT = "last.ckpt"
     LOADED = "resumed_from"

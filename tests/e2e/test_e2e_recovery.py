@@ -28,6 +28,7 @@ from harness import (
     assert_nothing_left,
     evaluated,
     first_fault,
+    identical_on_every_rank,
     neps_trials,
     python,
     run,
@@ -227,7 +228,52 @@ class TestTwoWorkersOneKilledTheOtherTakesOverAfterTheGrace(CleanLaunch):
         assert takeover.survivor.log.count(f"orphaned trial {takeover.orphan} ") == 1
 
 
-class TestTheLeaderKilledInAHyperbandBracketTheBracketStillPromotes(RerunChecks):
+class ContinuesFromThePreviousCheckpoint:
+    """A multi-fidelity search's promoted trials resume the checkpoint their previous
+    trial saved, on every rank: the checks of one Lightning ddp launch of 2 ranks
+    (``launch``) that trained a promotion. The follower never calls NePS, and under the
+    root it opens only that checkpoint (Lightning's ``fit(ckpt_path=...)`` reads it on
+    every rank: the user's own code; the same reading sees those opens, the positive
+    control)."""
+
+    @staticmethod
+    def promoted(launch: Result) -> list[dict[str, Any]]:
+        return [e for e in launch.of("trial") if e["previous_pipeline_directory"]]
+
+    def test_both_ranks_evaluated_the_same_trials(self, launch: Result) -> None:
+        identical_on_every_rank(launch, 2)
+
+    def test_hyperband_promoted_a_trial(self, launch: Result) -> None:
+        """Without a promotion nothing below tests a continuation."""
+        assert self.promoted(launch), launch.tail()
+
+    def test_both_ranks_continued_the_promoted_trials(self, launch: Result) -> None:
+        assert {e["rank"] for e in self.promoted(launch)} == {0, 1}
+
+    def test_the_previous_checkpoint_was_there_on_every_rank(self, launch: Result) -> None:
+        assert all(e["ckpt_exists"] for e in self.promoted(launch)), self.promoted(launch)
+
+    def test_the_previous_directory_is_the_one_neps_recorded(self, launch: Result) -> None:
+        recorded = neps_trials(launch.root)
+        for e in self.promoted(launch):
+            location = recorded[str(e["trial_id"])].metadata.previous_trial_location
+            assert Path(str(e["previous_pipeline_directory"])) == Path(location)
+
+    def test_a_promoted_trial_trains_more_epochs(self, launch: Result) -> None:
+        assert all(e["kwargs"]["epochs"] > 1 for e in self.promoted(launch))
+
+    def test_the_follower_never_touched_neps(self, launch: Result) -> None:
+        assert launch.exits[1]["calls"] == {"neps.run": 0, "NePSState.create_or_load": 0}
+
+    def test_the_follower_opened_only_the_checkpoints_under_the_root(self, launch: Result) -> None:
+        paths = launch.exits[1]["root_access"]["paths"]
+        assert paths, "the user's checkpoint load was not seen"
+        assert all(p.endswith("/last.ckpt") for p in paths), paths
+
+
+class TestTheLeaderKilledInAHyperbandBracketTheBracketStillPromotes(
+    RerunChecks, ContinuesFromThePreviousCheckpoint
+):
     """NePS's hyperband (eta=3, fidelity epochs 1..3: rung 0 at 1 epoch, rung 1 at 3),
     Lightning ddp, 2 ranks, 5 trials: 1_rung_0, 2_rung_0, 3_rung_0, then the best of
     those three promoted to rung 1 (the same config, continued from its checkpoint),
@@ -239,7 +285,10 @@ class TestTheLeaderKilledInAHyperbandBracketTheBracketStillPromotes(RerunChecks)
     owner is on this host, so its gone pid decides): the orphan is evaluated first, same
     trial id, same config and directories, on both ranks; the root ends with exactly 5
     successes, nothing ``evaluating``; and bracket 0's best config was promoted (NePS's
-    previous_trial_id and location) and trained from its checkpoint."""
+    previous_trial_id and location) and trained from its checkpoint. The rerun trains
+    that promotion (after the orphan in rung 0, or as the orphan itself), so it is also
+    the launch of ``ContinuesFromThePreviousCheckpoint``: a fresh search of the same
+    command would check nothing more."""
 
     @pytest.fixture(scope="class", params=[2, 4], ids=["in_rung_0", "the_promotion"])
     def killed_seq(self, request: pytest.FixtureRequest) -> int:

@@ -5,8 +5,8 @@ An attacker process on this host reaches the leader's store while a real search 
 key neps_bcast uses with a pickle that creates a file when unpickled; it also bumps the
 error counters so that the ranks read its forged error records when a trial fails. The
 file must never exist, every trial must be recorded (the injected failure with its real
-text), and nothing may be left running. Plus: the store listens on loopback only; a
-single-process search serves no store at all. (A rank with another secret refused
+text), and nothing may be left running. Plus: the store listens on loopback only. (A
+single-process search serves no store at all, and a rank with another secret is refused
 before trial 1 on every rank: tests/test_e2e_guarantees.py.)
 """
 
@@ -25,17 +25,16 @@ from harness import (
     LIGHTNING,
     PYTHON,
     SCRIPTS,
-    SINGLE,
     CleanLaunch,
     Result,
     Running,
+    listening_ports,
     neps_trials,
     python,
     start,
     torchrun,
 )
 from neps_bcast.compat import procfs
-from neps_bcast.transport import sockets
 
 ATTACKER = SCRIPTS / "attacker.py"
 TRIALS = 5
@@ -51,12 +50,6 @@ def first_trial_pid(running: Running, rank: int) -> int:
         ),
     )
     return int(event["pid"])
-
-
-def listening_ports(pid: int) -> dict[int, str]:
-    """port -> address of every TCP socket the process listens on."""
-    table = sockets.tcp_table()
-    return {port: ip for ip, port in sockets.listening(table, sockets.socket_inodes(pid))}
 
 
 class Attacker:
@@ -194,32 +187,3 @@ class TestAnAttackerOnBothStoresRunsNothingTorchrun(SurvivesTheAttack):
             launch = running.finish()
             report = outsider.stop()
         return Attacked(launch, report, tmp)
-
-
-@dataclass
-class Listening:
-    launch: Result
-    ports: dict[int, str]
-
-
-class TestASingleProcessSearchServesNoStore(CleanLaunch):
-    @pytest.fixture(scope="class")
-    def listening(self, tmp_path_factory: pytest.TempPathFactory) -> Listening:
-        running = start(
-            python(SINGLE, "--trials", 3),
-            tmp_path_factory.mktemp("single"),
-            fault="sleep:leader:trial=2:at=session:s=1",
-        )
-        running.wait_for(
-            "trial 2's pause", lambda ev: any(e["event"] == "fault" and e["seq"] == 2 for e in ev)
-        )
-        ports = listening_ports(first_trial_pid(running, 0))
-        return Listening(running.finish(), ports)
-
-    @pytest.fixture(scope="class")
-    def launch(self, listening: Listening) -> Result:
-        return listening.launch
-
-    def test_it_listens_on_no_port(self, listening: Listening) -> None:
-        """The same reading sees the Lightning leader's listeners (above)."""
-        assert listening.ports == {}, f"a single-process search listens on {listening.ports}"
