@@ -19,7 +19,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install hosts-packages slurm-packages demo test test-e2e test-faults test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
+.PHONY: install packages hosts-packages slurm-packages demo test test-e2e test-faults test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
 
 install: $(STAMP)
 
@@ -42,24 +42,27 @@ test: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(TEST_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
 
 # Every other end-to-end scenario (tests/e2e), each launched as users launch it.
-E2E_LAUNCHES ?= 93
+E2E_LAUNCHES ?= 88
 test-e2e: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(E2E_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider tests/e2e
 
 # Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
 # cell and its rerun, a chain of cells per worker. Three workers on two cores: a chain
 # mostly waits (for a fault to be seen, a launch to end), at two the load stayed 1.2-1.6.
-# Launches: one per cell (156, 20 of them a frozen rank), the last run of each chain that
-# shares a root (6), and the pool's (2 launches of cells that go on, 4 that stop and a
-# last run) = 169.
+# Launches: one per cell whose fault stops its launch (145, 20 of them a frozen rank), the
+# last run of each chain that shares a root (6, the 11 cells the search survives land in
+# them), and the pool's (2 launches of cells that go on, 4 that stop and a last run) = 158.
 SWEEP_XDIST ?= 3
-FAULT_LAUNCHES ?= 171
+FAULT_LAUNCHES ?= 160
 test-faults: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(FAULT_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
 
 # A real one-node SLURM cluster (slurmctld, slurmd, munge; installed with apt-get when missing,
 # as root), the tests in tests/slurm against it, then the cluster stopped whatever the result.
 SLURM_DIR ?= /tmp/neps_bcast_slurm
+# The system packages of the SLURM and hosts tiers, one apt-get after the other.
+packages: hosts-packages slurm-packages
+
 slurm-packages:
 	NEPS_BCAST_SLURM_DIR=$(SLURM_DIR) bash tests/slurm/cluster.sh install
 
