@@ -49,11 +49,11 @@ test-e2e: install
 # Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
 # cell and its rerun, a chain of cells per worker. Three workers on two cores: a chain
 # mostly waits (for a fault to be seen, a launch to end), at two the load stayed 1.2-1.6.
-# Launches: one per cell whose fault stops its launch (145, 20 of them a frozen rank), the
+# Launches: one per cell whose fault stops its launch (127, 20 of them a frozen rank), the
 # last run of each chain that shares a root (6, the 11 cells the search survives land in
-# them), and the pool's (2 launches of cells that go on, 4 that stop and a last run) = 158.
+# them), and the pool's (2 launches of cells that go on, 4 that stop and a last run) = 140.
 SWEEP_XDIST ?= 3
-FAULT_LAUNCHES ?= 160
+FAULT_LAUNCHES ?= 142
 test-faults: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(FAULT_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
 

@@ -41,7 +41,8 @@ several are separated by commas.
   agent that holds the trial) or ``launcher`` (the pool's launcher, every process's
   parent).
 - KIND: ``raise`` (ValueError "injected failure on rank R at POINT"), ``sigkill``,
-  ``sigterm``, ``sigterm2`` (SIGTERM, and a second one ``s`` seconds later, from a thread),
+  ``sigterm``, ``sigterm2`` (SIGTERM, and a second one ``s`` seconds later, from a thread started
+  first, to ``again=WHOM`` where given, else to the same processes),
   ``sigint``, ``sigstop`` (the process frozen: what a hung node looks like to its peers;
   nothing sends SIGCONT), ``gil`` (the main thread holds the GIL for ``s`` seconds in
   one C call), ``ctrl_c`` (SIGINT to the whole process group, as a terminal
@@ -100,6 +101,8 @@ class Fault:
     """A pool: the NePS trial id the fault lands in (None: the first that comes)."""
     mb: int = 0
     """``save``: the size of the tensor saved, in MB."""
+    again: str = ""
+    """``sigterm2``: whom the second SIGTERM goes to (as ``to``; "": the same)."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -107,7 +110,7 @@ def parse(spec: str) -> list[Fault]:
     for text in filter(None, (part.strip() for part in spec.split(","))):
         kind, who, *options = text.split(":")
         keys = dict(option.split("=", 1) for option in options)
-        unknown = set(keys) - {"trial", "at", "s", "until", "to", "id", "mb"}
+        unknown = set(keys) - {"trial", "at", "s", "until", "to", "id", "mb", "again"}
         to = keys.get("to", "leader")
         if who not in WHO or unknown or not (to in TO or _RANK_N.fullmatch(to)):
             raise ValueError(f"NB_FAULT: cannot read {text!r}")
@@ -125,6 +128,7 @@ def parse(spec: str) -> list[Fault]:
                 keys.get("to", ""),
                 keys.get("id"),
                 int(keys.get("mb", 0)),
+                keys.get("again", ""),
             )
         )
     return faults
@@ -213,11 +217,13 @@ def at(point: str, upcoming: bool = False) -> None:
             for pid in targets:
                 os.kill(pid, SIGNALS[f.kind])
         if f.kind == "sigterm2":
-            for pid in targets:
-                os.kill(pid, signal.SIGTERM)
-            again = threading.Timer(f.seconds, _signal_all, (targets, signal.SIGTERM))
+            # The timer first: a process that signals itself may not outlive the call.
+            second = _pids(f.again) if f.again else targets
+            again = threading.Timer(f.seconds, _signal_all, (second, signal.SIGTERM))
             again.daemon = True
             again.start()
+            for pid in targets:
+                os.kill(pid, signal.SIGTERM)
         if f.kind == "ctrl_c":
             os.killpg(os.getpgrp(), signal.SIGINT)
         if f.kind == "sigkill_in":

@@ -89,8 +89,13 @@ class Fault:
 FAULTS = (
     Fault("term_leader", "SIGTERM to the leader", "sigterm", "leader"),
     Fault("term_follower", "SIGTERM to the follower (rank 1)", "sigterm", "follower"),
-    Fault("term_all", "SIGTERM to every rank at once (preemption)", "sigterm", "all"),
-    Fault("term_twice", "SIGTERM to the leader twice, 0-300 ms apart", "sigterm2", "leader"),
+    Fault(
+        "term_all",
+        "SIGTERM to every rank at once (preemption), and to the leader again 0-300 ms later"
+        " (`scancel` twice)",
+        "sigterm2",
+        "all",
+    ),
     Fault("int_leader", "SIGINT to the leader", "sigint", "leader"),
     Fault("kill_leader", "SIGKILL to the leader", "sigkill", "leader"),
     Fault("kill_follower", "SIGKILL to the follower (rank 1)", "sigkill", "follower"),
@@ -336,7 +341,7 @@ def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
         # The prelude (SIGTERM to the leader in fit) has the trial on its way back to
         # pending; the fault lands while the leader puts it there.
         pending = states(*done, (n, "pending"))
-        if fault.name in ("term_leader", "term_twice", "term_all"):
+        if fault.name in ("term_leader", "term_all"):
             return Expect("preempted", pending, S({143}), _also(stopped, 143), True)
         if fault.name == "term_follower":
             return Expect("preempted", pending, S({143}), S({0, 143, -15}), True)
@@ -374,7 +379,7 @@ def expect(launcher: str, point: Point, fault: Fault) -> Expect | Unreachable:
 
     # In the trial: before or after the hand-over.
     handed = point.kind == "trial"
-    if fault.name in ("term_leader", "term_twice"):
+    if fault.name == "term_leader":
         return Expect("preempted", states(*done, (n, "pending")), S({143}), stopped, True)
     if fault.name == "term_all":
         return Expect(
@@ -447,7 +452,7 @@ def _between(
     next step: n stays as recorded, n + 1 (sampled) goes back as its row says."""
     finished = [*done, (n, OK)]
     nxt = n + 1
-    if fault.name in ("term_leader", "term_twice"):
+    if fault.name == "term_leader":
         return Expect(
             "between_trials", states(*finished, (nxt, "pending")), S({143}), stopped, True
         )
@@ -507,7 +512,7 @@ def _at_the_end(
     say what came."""
     # Lightning's observer SIGKILLs the leader once a child exited non-zero.
     observed = S() if torchrun else S({-9})
-    if fault.name in ("term_leader", "term_twice"):
+    if fault.name == "term_leader":
         return Expect("preempted", every, S({143}), stopped, False)
     if fault.name == "term_all":
         return Expect("preempted", every, S({143}) | observed, S({143}), False)
@@ -552,7 +557,9 @@ def spec(point: Point, fault: Fault, ranks: int = 2) -> str:
     if fault.to:
         text += f":to={'rank1' if fault.to == 'follower' and ranks > 2 else fault.to}"
     if fault.kind == "sigterm2":
-        text += f":s={delay(point):g}"
+        # The second SIGTERM goes to the leader alone: what its handler ignores while it
+        # settles the first is the leader's to decide, whoever else was signalled.
+        text += f":s={delay(point):g}:again=leader"
     return f"{point.prelude}, {text}" if point.prelude else text
 
 
