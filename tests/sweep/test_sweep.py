@@ -329,20 +329,10 @@ def run_cell(
         fault=text,
         env=silent,
     )
-    problems = []
     fired = [e for e in launch.of("fault") if e.get("where") == point.name]
-    if not fired:
-        problems.append(f"the fault never fired at {point.name}: the cell did not test")
     since = min((e["t"] for e in fired), default=None)
     gone_s = None if since is None else launch.gone_at - since
-    if since is not None:
-        try:
-            launch.ended_on_their_own(since)
-        except AssertionError as exc:
-            problems.append(str(exc).split(" records from ")[0])
-    check = EXTRA.get((chain.launcher, point.name, fault.name))
-    if check is not None and fired:
-        problems += check(launch, fired[0])
+    problems = fault_checks(chain, point, fault, launch, fired[:1], since)
     problems += check_exits(chain.launcher, want, launch, others_want=bystander(point, want, fault))
     after = neps_view(root)
     order = handed_order(launch)
@@ -381,6 +371,30 @@ def test_every_fault_at_the_step(chain: Chain, tmp_path: Path) -> None:
     else:
         problems += last_run(chain, tmp_path, logs)
     assert not problems, "\n".join(problems) + "\n" + "\n".join(logs[-3:])
+
+
+def fault_checks(
+    chain: Chain,
+    point: Point,
+    fault: Fault,
+    launch: Result,
+    fired: list[dict[str, Any]],
+    since: float | None,
+) -> list[str]:
+    """The cell's fault fired (its first record, or none), every process ended by its
+    own path from ``since`` on, and the cell's EXTRA checks."""
+    if not fired:
+        return [f"the fault never fired at {point.name}: the cell did not test"]
+    problems = []
+    if since is not None:
+        try:
+            launch.ended_on_their_own(since)
+        except AssertionError as exc:
+            problems.append(str(exc).split(" records from ")[0])
+    check = EXTRA.get((chain.launcher, point.name, fault.name))
+    if check is not None:
+        problems += check(launch, fired[0])
+    return problems
 
 
 def runs_no_function(launcher: str, point: Point, want: Expect) -> bool:
@@ -457,22 +471,14 @@ def going_cell(
     launch's ``at + 1``, ...; its processes' count of the trials they ran, ``by + 1``,
     ...), which are as the table says; the launch ended on its own; its EXTRA checks."""
     assert point.trial is not None
-    problems = []
     fired = [
-        e
+        # EXTRA's checks read the trial's place in the launch's order as its ``seq``
+        dict(e, seq=e["seq"] + at - by)
         for e in launch.of("fault")
         if e.get("where") == point.name and e.get("seq") == point.trial + by
     ]
-    if not fired:
-        problems.append(f"the fault never fired at {point.name}: the cell did not test")
-    else:
-        try:
-            launch.ended_on_their_own(max(e["t"] for e in launch.of("fault")))
-        except AssertionError as exc:
-            problems.append(str(exc).split(" records from ")[0])
-        check = EXTRA.get((chain.launcher, point.name, fault.name))
-        if check is not None:  # its checks read the launch's order: the trial's place in it
-            problems += check(launch, dict(fired[0], seq=fired[0]["seq"] + at - by))
+    last = max((e["t"] for e in launch.of("fault")), default=None)
+    problems = fault_checks(chain, point, fault, launch, fired[:1], last if fired else None)
     problems += check_states(replace(want, goes_on=False), after, order, at)
     report(
         {
