@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import tempfile
 from collections import namedtuple
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pool:
     and whose 2 agents are alive; signals it would send are recorded, not sent."""
     plan = PoolPlan(2, None, tmp_path / "script.py", (), tmp_path / "logs")
     p = Pool(plan, Settings(), io.StringIO())
+    p.members.path = str(tmp_path / "pool.sock")  # run() would make its private folder
     p.killed_pids = []  # type: ignore[attr-defined]
     monkeypatch.setattr(
         procfs,
@@ -152,6 +154,19 @@ def test_with_no_device_left_the_launch_ends_with_exit_1(pool: Pool) -> None:
     sigterms = {pid for pid, sig in pool.killed_pids if sig == 15}  # type: ignore[attr-defined]
     assert sigterms == {a.proc.pid for a in pool.members.agents.values()}
     assert pool._exit_status() == 1
+
+
+def test_a_pool_built_and_never_run_leaves_nothing_in_the_temporary_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's private folder (its socket, the beats) is made when it runs and
+    removed when it ends; built in __init__, each pool these tests build, and any launch
+    that failed between building and running, left one in /tmp (553 in a day here)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    plan = PoolPlan(2, None, tmp_path / "script.py", (), tmp_path / "logs")
+    Pool(plan, Settings(), io.StringIO())
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_an_agents_environment_hides_every_gpu_and_a_ranks_does_not(tmp_path: Path) -> None:

@@ -61,9 +61,11 @@ class Pool:
         self.display = status.Display(out, settings.status_interval_s)
         self.supervisor = Supervisor(settings)
         self.signals = self.supervisor.signals
-        self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
+        self.folder: Path | None = None
+        """The launcher's private folder (its socket, the beats), made by ``run`` and
+        removed when it ends: a pool built and never run leaves nothing in /tmp."""
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.members = Members(plan, self.supervisor, str(self.folder / "pool.sock"), self.display)
+        self.members = Members(plan, self.supervisor, "", self.display)
         self.devices = Devices(plan, self.display)
         self.trials = Trials(self.members, self.devices, self.display, self.supervisor.launch_id)
         self.endings = Endings(self.trials, self.display)
@@ -84,33 +86,9 @@ class Pool:
         self.beats: beats.Beats | None = None
 
     def run(self) -> int:
-        self.plan.log_dir.mkdir(parents=True, exist_ok=True)
-        for old in [*self.plan.log_dir.glob("agent*.log"), *self.plan.log_dir.glob("rank*.log")]:
-            old.unlink()
-        self.server.bind(self.members.path)
-        self.server.listen(2 * (self.plan.size + self.plan.agent_count) + 8)
-        folder = beats.folder_of(self.members.path)
-        folder.mkdir()
-        bound_s = config.Settings.from_env().peer_timeout_s
-        self.beats = beats.Beats(folder, beats.LAUNCHER, bound_s, self.exits.found_silent)
-        self.members.beats = self.beats
-        where = f"devices {','.join(self.plan.devices)}" if self.plan.devices is not None else "CPU"
-        self.display.say(
-            f"pool of {self.plan.size} ranks on {where} and {self.plan.agent_count} agents;"
-            f" logs {self.plan.log_dir}/"
-        )
+        self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
         try:
-            with self.signals.installed():
-                for index in range(max(self.plan.size, self.plan.agent_count)):
-                    if index < self.plan.size:
-                        self.members.start("rank", index)
-                    if index < self.plan.agent_count:
-                        self.members.start("agent", index)
-                while self._step(time.monotonic()):
-                    self._wait(0.5)
-                left = self.supervisor.clean_up()
-                if left:
-                    self.display.say(f"SIGKILLed {len(left)} process(es) left running: {left}.")
+            self._serve(self.folder)
         finally:
             if self.beats is not None:
                 self.beats.stop()
@@ -118,6 +96,37 @@ class Pool:
             self.server.close()
             shutil.rmtree(self.folder, ignore_errors=True)
         return self._exit_status()
+
+    def _serve(self, folder: Path) -> None:
+        """Open the pool's socket and beats in ``folder``, start every member, and run
+        the loop until the launch ends."""
+        self.members.path = str(folder / "pool.sock")
+        self.plan.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in [*self.plan.log_dir.glob("agent*.log"), *self.plan.log_dir.glob("rank*.log")]:
+            old.unlink()
+        self.server.bind(self.members.path)
+        self.server.listen(2 * (self.plan.size + self.plan.agent_count) + 8)
+        beats_folder = beats.folder_of(self.members.path)
+        beats_folder.mkdir()
+        bound_s = config.Settings.from_env().peer_timeout_s
+        self.beats = beats.Beats(beats_folder, beats.LAUNCHER, bound_s, self.exits.found_silent)
+        self.members.beats = self.beats
+        where = f"devices {','.join(self.plan.devices)}" if self.plan.devices is not None else "CPU"
+        self.display.say(
+            f"pool of {self.plan.size} ranks on {where} and {self.plan.agent_count} agents;"
+            f" logs {self.plan.log_dir}/"
+        )
+        with self.signals.installed():
+            for index in range(max(self.plan.size, self.plan.agent_count)):
+                if index < self.plan.size:
+                    self.members.start("rank", index)
+                if index < self.plan.agent_count:
+                    self.members.start("agent", index)
+            while self._step(time.monotonic()):
+                self._wait(0.5)
+            left = self.supervisor.clean_up()
+            if left:
+                self.display.say(f"SIGKILLed {len(left)} process(es) left running: {left}.")
 
     def _wait(self, seconds: float) -> None:
         conns = [m.conn for m in self.members.all() if m.conn is not None]
