@@ -11,10 +11,11 @@
 # `make test-newest` runs the same suite in a second environment, .venv-newest: the same pins with
 # torch 2.14.1 + torchvision 0.29.1 (requirements-newest.lock replaces requirements.lock's torch line).
 # The interpreter the environments are built on: Debian's own CPython 3.11 where there is
-# one (built with PGO and LTO, libpython linked in), else python3 on PATH. Each launch
-# spends ~85% of its CPU importing torch, NePS and Lightning, and on this kind of machine
-# python3 is a pyenv build without either: `make test` took 503 CPU-s on Debian's against
-# 537 on pyenv's, run side by side (docs/development.md). PYTHON=python3 picks PATH's.
+# one (libpython linked into the binary), else python3 on PATH. Each launch spends ~85% of
+# its CPU importing torch, NePS and Lightning, and on this kind of machine python3 is a
+# pyenv build with a shared libpython and neither PGO nor LTO: `make test` took 503 CPU-s
+# on Debian's against 537 on pyenv's, run side by side (docs/development.md).
+# PYTHON=python3 picks PATH's.
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3.11) python3)
 VENV := .venv
 PY := $(VENV)/bin/python
