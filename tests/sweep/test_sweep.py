@@ -382,15 +382,15 @@ def fault_checks(
     since: float | None,
 ) -> list[str]:
     """The cell's fault fired (its first record, or none), every process ended by its
-    own path from ``since`` on, and the cell's EXTRA checks."""
+    own path from ``since`` on (given whenever it fired), and the cell's EXTRA checks."""
     if not fired:
         return [f"the fault never fired at {point.name}: the cell did not test"]
+    assert since is not None
     problems = []
-    if since is not None:
-        try:
-            launch.ended_on_their_own(since)
-        except AssertionError as exc:
-            problems.append(str(exc).split(" records from ")[0])
+    try:
+        launch.ended_on_their_own(since)
+    except AssertionError as exc:
+        problems.append(str(exc).split(" records from ")[0])
     check = EXTRA.get((chain.launcher, point.name, fault.name))
     if check is not None:
         problems += check(launch, fired[0])

@@ -61,10 +61,8 @@ class Pool:
         self.display = status.Display(out, settings.status_interval_s)
         self.supervisor = Supervisor(settings)
         self.signals = self.supervisor.signals
-        self.folder: Path | None = None
-        """The launcher's private folder (its socket, the beats), made by ``run`` and
-        removed when it ends: a pool built and never run leaves nothing in /tmp."""
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The socket's path is known once ``run`` made the launcher's private folder.
         self.members = Members(plan, self.supervisor, "", self.display)
         self.devices = Devices(plan, self.display)
         self.trials = Trials(self.members, self.devices, self.display, self.supervisor.launch_id)
@@ -86,15 +84,17 @@ class Pool:
         self.beats: beats.Beats | None = None
 
     def run(self) -> int:
-        self.folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
+        # The launcher's private folder (its socket, the beats), made here and removed
+        # here, so that a pool built and never run leaves nothing in /tmp.
+        folder = Path(tempfile.mkdtemp(prefix="neps_bcast-pool-"))  # mode 0700
         try:
-            self._serve(self.folder)
+            self._serve(folder)
         finally:
             if self.beats is not None:
                 self.beats.stop()
             self.members.close()
             self.server.close()
-            shutil.rmtree(self.folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
         return self._exit_status()
 
     def _serve(self, folder: Path) -> None:
