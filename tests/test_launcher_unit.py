@@ -3,6 +3,7 @@ the torchrun command, the status read from a leader's log."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -173,6 +174,34 @@ def test_visible_devices() -> None:
     assert plan.visible_devices({"CUDA_VISIBLE_DEVICES": "0,1"}, 0) == ()
     assert plan.visible_devices({}, 3) == ("0", "1", "2")
     assert plan.visible_devices({"CUDA_VISIBLE_DEVICES": "4,6"}, 2) == ("4", "6")
+
+
+def test_without_a_gpu_device_node_the_launcher_counts_no_gpu_and_imports_no_torch(
+    tmp_path: Path,
+) -> None:
+    """The launcher asks torch for CUDA devices only where a GPU driver's device node
+    exists; the positive control: with a node that exists, torch is imported to count."""
+    probe = (
+        "import sys\n"
+        "from neps_bcast import cli\n"
+        "nodes = sys.argv[1:]\n"
+        "print(cli.cuda_device_count(nodes), 'torch' in sys.modules)\n"
+    )
+    absent = str(tmp_path / "nvidiactl")
+    present = tmp_path / "kfd"
+    present.touch()
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", probe, *nodes],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.split()
+        for nodes in ([absent], [absent, str(present)])
+    ]
+    assert outputs[0] == ["0", "False"]
+    assert outputs[1][1] == "True"
 
 
 def test_group_environment_marks_slices_and_drops_the_slurm_task_layout(script: Path) -> None:

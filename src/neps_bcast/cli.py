@@ -156,8 +156,18 @@ def request_from(args: argparse.Namespace) -> plan.LaunchRequest:
     )
 
 
-def cuda_device_count() -> int:
-    """GPUs CUDA reports (0 without any, or without a CUDA build of torch)."""
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""The device nodes a GPU driver makes (NVIDIA's, ROCm's, WSL's): a machine without any
+has no GPU torch could count, so the launcher does not import torch to ask."""
+
+
+def cuda_device_count(device_nodes: Sequence[str] = GPU_DEVICE_NODES) -> int:
+    """GPUs CUDA reports (0 without any, or without a CUDA build of torch).
+
+    Importing torch costs the launcher ~2 CPU-seconds before any rank starts; where no GPU
+    driver's device node exists, the answer is 0 without it."""
+    if not any(Path(node).exists() for node in device_nodes):
+        return 0
     import torch
 
     return int(torch.cuda.device_count())
