@@ -25,7 +25,7 @@ VENV_NEWEST := .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 STAMP_NEWEST := $(VENV_NEWEST)/.installed-$(shell cat requirements.lock requirements-newest.lock pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: install packages hosts-packages slurm-packages demo test test-e2e test-faults test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
+.PHONY: install packages hosts-packages slurm-packages demo test test-e2e test-faults test-faults-full test-hosts lint bench bench-full clean install-newest test-newest test-slurm test-gpu docs
 
 install: $(STAMP)
 
@@ -55,13 +55,21 @@ test-e2e: install
 # Every fault at every step (tests/sweep/table.py, docs/fault-sweep.md): one launch per
 # cell and its rerun, a chain of cells per worker. Three workers on two cores: a chain
 # mostly waits (for a fault to be seen, a launch to end), at two the load stayed 1.2-1.6.
-# Launches: one per cell whose fault stops its launch (127, 20 of them a frozen rank), the
-# last run of each chain that shares a root (6, the 11 cells the search survives land in
-# them), and the pool's (2 launches of cells that go on, 4 that stop and a last run) = 140.
+# `make test-faults` (every commit) runs every step and fault of the table under torchrun
+# (2 and 3 ranks) and the Lightning cells that reach code only Lightning runs (table.CI_CELLS):
+# one launch per cell whose fault stops its launch (108, 16 of them a frozen rank), the
+# last run of each chain that shares a root (6), and the pool's 7 = 121.
+# `make test-faults-full` runs every cell (21 Lightning cells more, each its torchrun
+# twin's step and fault: table.FULL_ONLY) = 140; .ci/run runs it instead when a file of
+# tests/sweep/lightning_only_paths.txt changed since .ci/full-sweep-at (.ci/sweep-target).
 SWEEP_XDIST ?= 3
-FAULT_LAUNCHES ?= 142
+FAULT_LAUNCHES ?= 122
+FAULT_LAUNCHES_FULL ?= 142
 test-faults: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(FAULT_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
+
+test-faults-full: install
+	NB_SWEEP_FULL=1 NEPS_BCAST_LAUNCH_BUDGET=$(FAULT_LAUNCHES_FULL) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(SWEEP_XDIST) --dist load -p no:cacheprovider tests/sweep
 
 # A real one-node SLURM cluster (slurmctld, slurmd, munge; installed with apt-get when missing,
 # as root), the tests in tests/slurm against it, then the cluster stopped whatever the result.

@@ -9,6 +9,8 @@ fired" at the end of the sweep.
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -98,6 +100,135 @@ def test_a_cell_left_to_its_twin_is_expected_the_same_and_its_twin_is_swept() ->
                 assert ("torchrun", twin, fault[f.name]) in cells
                 assert same(table.expect("torchrun", p, f), table.expect("torchrun", twin, f))
     assert left == 19 + len(table.TWINS)  # 3-rank twins: 22 before term_twice joined term_all
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LEFT_TO_THE_FULL_SWEEP = {
+    # (step, fault) of a Lightning cell -> the launcher whose cell runs on every commit
+    ("handed", "term_leader"): "torchrun",
+    ("handed", "term_all"): "torchrun",
+    ("handed", "int_leader"): "torchrun",
+    ("handed", "kill_leader"): "torchrun",
+    ("handed", "freeze_leader"): "torchrun",
+    ("handed", "raise"): "torchrun",
+    ("exchange", "term_leader"): "torchrun3",
+    ("exchange", "term_all"): "torchrun3",
+    ("exchange", "int_leader"): "torchrun3",
+    ("exchange", "kill_leader"): "torchrun3",
+    ("exchange", "freeze_leader"): "torchrun",
+    ("sample", "term_leader"): "torchrun",
+    ("sample", "term_all"): "torchrun",
+    ("sample", "int_leader"): "torchrun",
+    ("sample", "freeze_leader"): "torchrun",
+    ("sample", "raise"): "torchrun",
+    ("stop", "term_leader"): "torchrun3",
+    ("stop", "term_all"): "torchrun3",
+    ("stop", "int_leader"): "torchrun3",
+    ("stop", "kill_leader"): "torchrun3",
+    ("stop", "freeze_leader"): "torchrun",
+}
+"""Every Lightning cell that only ``make test-faults-full`` runs, by name, with its twin:
+a fault to the leader (or an exception) before or after Lightning's fit, where the
+leader's code and the follower's wait are those torchrun runs."""
+
+
+def test_every_step_and_fault_of_the_table_runs_on_every_commit() -> None:
+    """``make test-faults`` (table.CI_CELLS) runs each (step, fault) pair the full sweep
+    runs, under one launcher at least; the positive control: the full sweep's own list
+    has Lightning cells that the commit's sweep leaves out."""
+    pairs = {(p.name, f.name) for _, p, f in table.CELLS}
+    on_every_commit = {(p.name, f.name) for _, p, f in table.CI_CELLS}
+    assert pairs - on_every_commit == set()
+    assert len(table.CELLS) - len(table.CI_CELLS) == len(LEFT_TO_THE_FULL_SWEEP)
+
+
+def test_each_lightning_cell_left_to_the_full_sweep_has_a_twin_expected_the_same() -> None:
+    """The cells named above, and no other, are left out of ``make test-faults``; each
+    one's twin runs there and is expected by the same rule to leave the same trial
+    states and the same rerun; none reaches code only Lightning runs."""
+    left = {(p.name, f.name): twin for (_, p, f), twin in table.FULL_ONLY.items()}
+    assert left == LEFT_TO_THE_FULL_SWEEP
+    ci = set(table.CI_CELLS)
+    for (launcher, p, f), twin in table.FULL_ONLY.items():
+        assert launcher == "lightning"
+        assert (twin, p, f) in ci
+        want, theirs = table.expect("lightning", p, f), table.expect(twin, p, f)
+        assert isinstance(want, table.Expect) and isinstance(theirs, table.Expect)
+        assert (want.row, want.trials, want.rerun, want.goes_on) == (
+            theirs.row,
+            theirs.trials,
+            theirs.rerun,
+            theirs.goes_on,
+        ), (p.name, f.name, twin)
+        assert p.name not in ("form", "fit") and p.kind != "settle" and f.to != "follower"
+
+
+def test_the_cells_that_check_more_are_the_sweeps_extra_and_run_on_every_commit() -> None:
+    import test_sweep  # the sweep's module imports its harness: only here
+
+    names = {(launcher, p.name, f.name) for launcher, p, f in table.CI_CELLS}
+    assert set(test_sweep.EXTRA) - names == set()
+    assert table.CHECKED_MORE - set(test_sweep.EXTRA) == set()
+
+
+def test_each_lightning_only_path_exists() -> None:
+    """.ci/run runs the full sweep when one of these changed: a path that moved would
+    silently stop triggering it."""
+    paths = table.lightning_only_paths()
+    assert "src/neps_bcast/compat/lightning.py" in paths
+    missing = [path for path in paths if not (ROOT / path).is_file()]
+    assert missing == []
+
+
+def test_ci_runs_the_full_sweep_when_a_lightning_only_path_changed(tmp_path: Path) -> None:
+    """.ci/run's choice, on a repository of its own: the commit in .ci/full-sweep-at,
+    then a change to another file (the commit's sweep), to a Lightning-only path (the
+    full sweep), and a commit the clone does not have (the full sweep)."""
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / "tests" / "sweep").mkdir(parents=True)
+    (repo / "src").mkdir()
+    shutil.copy(ROOT / ".ci" / "sweep-target", repo / ".ci" / "sweep-target")
+    (repo / "tests" / "sweep" / "lightning_only_paths.txt").write_text("# why\nsrc/l.py\n")
+    (repo / "src" / "l.py").write_text("a\n")
+    (repo / "src" / "other.py").write_text("a\n")
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=repo,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+
+    def target() -> str:
+        done = subprocess.run(
+            ["bash", ".ci/sweep-target"], cwd=repo, capture_output=True, text=True, check=True
+        )
+        return done.stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "start")
+    (repo / ".ci" / "full-sweep-at").write_text(git("rev-parse", "HEAD") + "\n")
+    git("add", "-A")
+    git("commit", "-qm", "the full sweep passed at start")
+    assert target() == "test-faults"
+    (repo / "src" / "other.py").write_text("b\n")
+    git("commit", "-qam", "another file")
+    assert target() == "test-faults"
+    (repo / "src" / "l.py").write_text("b\n")
+    assert target() == "test-faults-full"  # uncommitted, as in a developer's tree
+    git("commit", "-qam", "a Lightning-only path")
+    assert target() == "test-faults-full"
+    (repo / ".ci" / "full-sweep-at").write_text("0" * 40 + "\n")
+    git("commit", "-qam", "a commit this clone does not have")
+    assert target() == "test-faults-full"
+    (repo / ".ci" / "full-sweep-at").unlink()
+    git("commit", "-qam", "no record")
+    assert target() == "test-faults-full"
 
 
 def test_arming_an_unknown_point_names_the_points() -> None:

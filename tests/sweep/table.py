@@ -15,6 +15,7 @@ Nothing here imports torch, NePS or neps_bcast.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 LAUNCHERS = ("lightning", "torchrun", "torchrun3")
 """``python script.py`` under Lightning ``strategy="ddp"`` (Lightning starts the
@@ -640,6 +641,85 @@ CELLS = [
     if not on_3_ranks_instead(launcher, p, f)
     if not twin_swept(p, f)
 ]
+
+
+# -- what runs on every commit, what only in the full sweep ------------------------------
+CHECKED_MORE = frozenset(
+    {
+        ("torchrun", "handed", "term_leader"),
+        ("lightning", "sample", "term_follower"),
+        ("lightning", "fit", "term_all"),
+        ("lightning", "fit", "term_follower"),
+        ("lightning", "fit", "kill_follower"),
+        ("lightning", "fit", "raise"),
+        ("lightning", "fit", "int_leader"),
+        ("lightning", "fit", "kill_leader"),
+        ("lightning", "sample", "kill_leader"),
+    }
+)
+"""Cells whose launch checks more than the table (test_sweep.py's ``EXTRA``, the checks
+of end-to-end launches that ran the same scenario): they run on every commit.
+tests/test_fault_points.py checks that every cell of ``EXTRA`` runs on every commit and
+that each one named here is in ``EXTRA``."""
+
+LIGHTNING_ONLY_PATHS = Path(__file__).with_name("lightning_only_paths.txt")
+"""The files whose code only a Lightning launch reaches (its process observer, the
+SIGTERM connector patch, the children it starts, re-forming the group it keeps, a
+parent/child peer), and what decides a Lightning cell's outcome (the table, its script,
+the pinned Lightning): when one of them changed since the full sweep last passed
+(``.ci/full-sweep-at``), .ci/run runs every Lightning cell. The sweep's own checks and
+fault hook are every cell's, and the Lightning cells of every commit run them at every
+step."""
+
+
+def lightning_only_paths() -> list[str]:
+    """``LIGHTNING_ONLY_PATHS``'s entries (paths from the repository's root)."""
+    lines = LIGHTNING_ONLY_PATHS.read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def lightning_path(point: Point, fault: Fault) -> str | None:
+    """Why a Lightning cell runs on every commit: the code only Lightning reaches there
+    (or the checks only its launch makes), None where its torchrun twin runs the same
+    code of ours to the same end."""
+    if point.name in ("form", "fit"):
+        return (
+            "Lightning forms the group (the first trial's children, the kept group re-formed)"
+            " and runs the user's fit (its SIGTERM connector, Ctrl-C turned into exit 1)"
+        )
+    if point.kind == "settle":
+        return "the settling follows a SIGTERM in fit, which Lightning's connector meets first"
+    if fault.to == "follower":
+        return "a follower that exits non-zero wakes Lightning's process observer"
+    if ("lightning", point.name, fault.name) in CHECKED_MORE:
+        return "its launch makes checks of its own (test_sweep.EXTRA)"
+    return None
+
+
+def twin(point: Point, fault: Fault) -> str:
+    """The launcher whose cell at the same step and fault the sweep runs on every commit
+    in place of a Lightning cell: torchrun, or torchrun on 3 ranks where that runs
+    instead of torchrun on 2."""
+    if ("torchrun", point, fault) in CELLS:
+        return "torchrun"
+    assert ("torchrun3", point, fault) in CELLS, (point.name, fault.name)
+    return "torchrun3"
+
+
+FULL_ONLY = {
+    (launcher, p, f): twin(p, f)
+    for launcher, p, f in CELLS
+    if launcher == "lightning" and lightning_path(p, f) is None
+}
+"""The Lightning cells left to the full sweep (``make test-faults-full``), each with the
+launcher of its twin, the cell that runs on every commit: the same step and fault,
+expected by the same rule to leave the same trial states and the same rerun (exit
+statuses differ only by a launcher's own allowances: torchrun may SIGTERM a follower,
+Lightning's observer may SIGKILL the leader). tests/test_fault_points.py checks each."""
+
+CI_CELLS = [cell for cell in CELLS if cell not in FULL_ONLY]
+"""``make test-faults``: every (step, fault) pair of the table at least once, and every
+Lightning cell that reaches code only Lightning runs."""
 
 
 # -- the pool: ``neps-bcast launch --pool 2``, trials of 2 ranks ---------------------------

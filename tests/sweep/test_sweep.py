@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 from table import (
     CELLS,
+    CI_CELLS,
     FAULTS,
     RANKS,
     SILENT_BOUND_S,
@@ -137,20 +138,26 @@ def _goes_on(launcher: str, point: Point, fault: Fault) -> bool:
 ONLY = {f for f in os.environ.get("NB_SWEEP_FAULTS", "").split(",") if f}
 assert ONLY <= {f.name for f in FAULTS}, f"NB_SWEEP_FAULTS: unknown {ONLY}"
 
+FULL = os.environ.get("NB_SWEEP_FULL", "") == "1"
+"""``make test-faults-full``: every cell of the table (``CELLS``); otherwise, as
+``make test-faults`` runs on every commit, ``CI_CELLS`` (table.FULL_ONLY's Lightning
+cells left to their torchrun twins)."""
+SWEPT_CELLS = CELLS if FULL else CI_CELLS
+
 
 def chains() -> list[Chain]:
     """Each launcher's steps in the table's order, up to ``POINTS_PER_CHAIN`` a chain; a
     step at the end of a search alone (each of its cells on a root of its own)."""
     found = []
-    for launcher in dict.fromkeys(la for la, _, _ in CELLS):
-        steps = list(dict.fromkeys(p for la, p, _ in CELLS if la == launcher))
+    for launcher in dict.fromkeys(la for la, _, _ in SWEPT_CELLS):
+        steps = list(dict.fromkeys(p for la, p, _ in SWEPT_CELLS if la == launcher))
         going = [p for p in steps if p.kind != "end"]
         groups = [going[i : i + POINTS_PER_CHAIN] for i in range(0, len(going), POINTS_PER_CHAIN)]
         groups += [[p] for p in steps if p.kind == "end"]
         for group in groups:
             cells = tuple(
                 (p, f)
-                for (la, p, f) in CELLS
+                for (la, p, f) in SWEPT_CELLS
                 if la == launcher and p in group and (not ONLY or f.name in ONLY)
             )
             found.append(Chain(launcher, cells))
