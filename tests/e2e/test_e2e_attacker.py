@@ -12,20 +12,24 @@ launched as ``python script.py`` (Lightning starts rank 1) and with
 
 Each time: no pickle of the outsider runs; the search completes with every trial's real
 result (or, where the outsider took the private folder first, every rank stops before
-trial 1 naming it); nothing is left running. Each class is one attacked launch (two for
-the replay) and its checks.
+trial 1 naming it); nothing is left running, the kernel heard every rank end with the
+code it recorded, none left its trial's objects to the interpreter's finalization, and
+the leader's store listened on loopback only while Lightning's or torchrun's own listened
+on every interface. Each class is one attacked launch (two for the replay) and its checks.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import outsider as o
-from harness import PYTHON, TORCHRUN
+from exits import ExitWatch
+from harness import PYTHON, TORCHRUN, listening_ports, marked_pids, neps_trials
 
 LAUNCHERS: dict[str, list[str]] = {
     "lightning": [PYTHON, str(o.SEARCH_SCRIPT)],
@@ -33,8 +37,40 @@ LAUNCHERS: dict[str, list[str]] = {
 }
 
 
+LISTENERS: dict[str, dict[int, set[str]]] = {}
+"""An attack's marker -> every port its launch's processes listened on -> the addresses."""
+
+
 def launch(name: str) -> Callable[[o.Attack], Callable[[], int]]:
-    return o.popen(LAUNCHERS[name])
+    """The launch as users start it, with the kernel's exit watch listening from before
+    its first process, and what its processes listen on read while it runs."""
+    started = o.popen(LAUNCHERS[name])
+
+    def start(attack: o.Attack) -> Callable[[], int]:
+        ExitWatch.get()
+        seen = LISTENERS.setdefault(attack.marker, {})
+        done = threading.Event()
+
+        def look() -> None:
+            while not done.wait(0.05):  # a bounded poll of /proc while the launch runs
+                for pid in marked_pids(attack.marker):
+                    for port, ip in listening_ports(pid).items():
+                        seen.setdefault(port, set()).add(ip)
+
+        looker = threading.Thread(target=look, daemon=True, name="listeners")
+        looker.start()
+        wait = started(attack)
+
+        def finish() -> int:
+            try:
+                return wait()
+            finally:
+                done.set()
+                looker.join(timeout=10)
+
+        return finish
+
+    return start
 
 
 @pytest.fixture(scope="class")
@@ -69,6 +105,53 @@ class AttackedSearchThatCompletes:
 
     def test_nothing_is_left_running(self, attacked: o.Attack) -> None:
         o.assert_nothing_left_running(attacked)
+
+    def test_neps_recorded_the_injected_failure_with_the_ranks_real_text(
+        self, attacked: o.Attack
+    ) -> None:
+        """The leader read rank 1's own error record, not one the outsider forged."""
+        err = str(neps_trials(attacked.result.root)[o.FAILING_TRIAL].report.err)
+        want = f"trial {o.FAILING_TRIAL} failed on rank 1: rank 1: ValueError: injected failure"
+        assert want in err, err
+
+    def test_every_exit_the_kernel_heard_is_the_one_recorded(self, attacked: o.Attack) -> None:
+        watch = ExitWatch.get()
+        starts = {e["pid"]: e["t"] for e in attacked.result.of("start")}
+        recorded = {e["pid"]: e["code"] for e in attacked.result.of("exit")}
+        assert starts and sorted(recorded) == sorted(starts), (starts, recorded)
+        heard = {}
+        for pid, t in starts.items():
+            exit_ = watch.wait(pid, since=t, timeout=5.0)
+            heard[pid] = None if exit_ is None else exit_.status
+        assert heard == recorded, (heard, recorded, watch.lost, attacked.result.tail())
+
+    def test_no_trial_object_is_left_to_the_interpreters_finalization(
+        self, attacked: o.Attack
+    ) -> None:
+        at_exit = {e["pid"]: e for e in attacked.result.of("at_exit")}
+        assert len(at_exit) == 2, (at_exit, attacked.result.tail())
+        for e in at_exit.values():
+            assert e["trial_objects_seen"] > 0 and e["trial_objects_alive"] == [], e
+
+    def test_the_leaders_store_listens_on_loopback_only(self, attacked: o.Attack) -> None:
+        seen = LISTENERS[attacked.marker]
+        stores = attacked.result.stores
+        leaders = [port for port, what in stores.items() if what == "leader's store"]
+        assert leaders, stores
+        for port in leaders:
+            assert seen.get(port) == {"127.0.0.1"}, (port, seen)
+
+    def test_the_same_reading_sees_the_launchers_store_on_every_interface(
+        self, attacked: o.Attack
+    ) -> None:
+        """The positive control of the test above: Lightning's or torchrun's own
+        rendezvous store does listen on every interface."""
+        seen = LISTENERS[attacked.marker]
+        stores = attacked.result.stores
+        theirs = [port for port, what in stores.items() if what == "launcher's rendezvous store"]
+        assert theirs, stores
+        for port in theirs:
+            assert seen.get(port, set()) & {"0.0.0.0", "::"}, (port, seen)
 
 
 def full_attack(arena: o.Arena, folder: Path, launcher: str, secret: str | None) -> o.Attack:

@@ -9,23 +9,28 @@ Three trials of a small regressor on 2 ranks (gloo, CPU). Trial 2 fails on rank 
 the group released while the outsider writes; NePS goes on (``ignore_errors``). Every
 process appends what happened to ``$NB_RECORD_DIR/<pid>.jsonl`` (start, each trial with
 what the function returned, exit with its code and error) and logs neps_bcast at INFO to
-``$NB_LOG_DIR/<pid>.log``; the NePS root is ``$NB_ROOT``.
+``$NB_LOG_DIR/<pid>.log``; the NePS root is ``$NB_ROOT``. Its last atexit handler
+records ("at_exit") which of what its trials made (the DDP wrapper, the trial's process
+group) is still alive there, left to the interpreter's finalization.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import neps
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -50,6 +55,18 @@ def record(event: str, **fields: Any) -> None:
         f.write(json.dumps(line) + "\n")
 
 
+TRIAL_OBJECTS: list[tuple[str, weakref.ref[Any]]] = []
+"""What this process's trials made that must be gone when it ends."""
+
+
+def left_to_finalization() -> None:
+    """Registered before ``neps_bcast.run`` (so it runs after its handlers): what is
+    alive here is freed by the interpreter's finalization, where a gloo group aborts."""
+    if TRIAL_OBJECTS:
+        alive = sorted({kind for kind, ref in TRIAL_OBJECTS if ref() is not None})
+        record("at_exit", trial_objects_alive=alive, trial_objects_seen=len(TRIAL_OBJECTS))
+
+
 class Space(neps.PipelineSpace):
     lr = neps.Float(1e-3, 1e-1, log=True)
     hidden = neps.Integer(2, 8)
@@ -61,7 +78,12 @@ class Regressor(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 1))
         self.lr = lr
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
+        if batch_idx == 0:
+            TRIAL_OBJECTS.append(("DDP wrapper", weakref.ref(self.trainer.strategy.model)))
+            TRIAL_OBJECTS.append(("process group", weakref.ref(dist.group.WORLD)))
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
@@ -105,6 +127,7 @@ def main() -> int:
     logging.getLogger("neps_bcast").setLevel(logging.INFO)
     rank, rank_from = rank_guess()
     record("start", rank=rank, rank_from=rank_from)
+    atexit.register(left_to_finalization)
     code, error = 0, None
     try:
         neps_bcast.run(
