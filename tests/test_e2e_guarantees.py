@@ -174,7 +174,7 @@ class TestSingleProcessBehavesLikeNepsRun(CleanLaunch):
 
     def test_it_listens_on_no_port(self, listening: Listening) -> None:
         """The same reading sees the Lightning leader's listeners
-        (tests/e2e/test_e2e_security.py)."""
+        (tests/e2e/test_e2e_attacker.py)."""
         assert listening.ports == {}, f"a single-process search listens on {listening.ports}"
 
     def test_every_trial_ran_on_a_leader_without_a_group(self, launch: Result) -> None:
