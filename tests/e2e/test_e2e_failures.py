@@ -198,40 +198,6 @@ class TestTheLeaderKilledWhileLightningsChildIsStarting(LeaderKilledChecks):
         assert path["gc_frozen"] > 0, (path, launch.tail())
 
 
-class TestASecondSigtermWhileTheLeaderSettlesTheTrial(LaunchChecks):
-    """SIGTERM to every rank in fit of trial 2 (SLURM preemption), then a second SIGTERM
-    to the leader while it settles trial 2 (puts it back to pending in NePS): trial 2 is
-    still put back (not left "evaluating"), the leader still exits 143 (the first signal's
-    code, which SLURM's requeue reads), and every process ends on its own after the
-    first signal."""
-
-    returncode = 143
-
-    @pytest.fixture(scope="class")
-    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> Result:
-        return run(
-            python(LIGHTNING, "--trials", 4),
-            tmp_path_factory.mktemp("second_sigterm"),
-            fault="sigterm:all:trial=2, sigterm:leader:trial=2:at=settle",
-        )
-
-    def test_the_second_sigterm_came_while_the_leader_settled_trial_2(self, launch: Result) -> None:
-        fired = [(e["kind"], e["where"], e["seq"], e["rank"]) for e in launch.of("fault")]
-        assert ("sigterm", "settle", 2, 0) in fired, (fired, launch.tail())
-
-    def test_trial_1_is_a_success_and_trial_2_pending(self, launch: Result) -> None:
-        recorded = reports(launch.root)
-        assert sorted(recorded) == [1, 2], (recorded, launch.tail())
-        assert recorded[1][:2] == ("success", "success")
-        assert recorded[2][0] == "pending", (recorded[2], launch.tail())
-
-    def test_the_leader_exited_143_as_the_kernel_reports(self, launch: Result) -> None:
-        assert launch.exits[0]["code"] == 143, (launch.exits, launch.tail())
-
-    def test_every_process_ended_on_its_own(self, launch: Result) -> None:
-        launch.ended_on_their_own(first_fault(launch))
-
-
 class TestTorchrunTheUserDestroysTheGroupAndErrorsRecover(CleanLaunch):
     """torchrun, a plain DDP loop whose function ends with dist.destroy_process_group()
     (as PyTorch's DDP tutorial does); the follower raises in trial 3, the leader in its
