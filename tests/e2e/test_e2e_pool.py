@@ -297,46 +297,6 @@ class TestARankKilledInATrialPutsOnlyThatTrialBack:
         assert later == [], later
 
 
-class TestATrialPastItsTimeLimitIsStoppedAndRunsAgain:
-    """``--trial-time-limit``: trial 2 hangs in the user's code the first time it runs;
-    the launcher stops its ranks once the limit has passed, the trial goes back to
-    pending and runs again on fresh ranks, and the launch finishes its budget."""
-
-    TRIALS = 4
-    LIMIT = "30"  # far above a trial's few steps, even on a loaded 2-core machine
-
-    @pytest.fixture(scope="class")
-    def launch(self, tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
-        tmp = tmp_path_factory.mktemp("pool_limit")
-        running = start_pool(
-            tmp, "run", self.TRIALS, extra=("--trial-time-limit", self.LIMIT), POOL_HANG="2"
-        )
-        return running.finish(), tmp
-
-    def test_the_search_completes_every_trial_a_success(self, launch: tuple[Result, Path]) -> None:
-        result, tmp = launch
-        assert result.returncode == 0, pool_logs(tmp)
-        assert states(result.root) == {str(i): "success" for i in range(1, self.TRIALS + 1)}
-        assert_nothing_left(result, tmp)
-
-    def test_the_hung_trial_was_stopped_by_the_limit_and_ran_again(
-        self, launch: tuple[Result, Path]
-    ) -> None:
-        result, _ = launch
-        hung = [e for e in result.events if e["event"] == "started" and e["trial"] == "2"]
-        assert {e["attempt"] for e in hung} == {1, 2}, hung
-        assert ("2", 1) not in trained(result.events)
-        assert ("2", 2) in trained(result.events)
-        lease = read_lease(result.root / "configs" / "config_2")
-        assert lease is not None and len(lease.attempts) == 1, lease
-        why = "still running 30 s after it was placed (--trial-time-limit)"
-        assert why in lease.attempts[0].how, lease
-        said = result.rank_logs["launcher"]
-        for pid in {e["pid"] for e in hung if e["attempt"] == 1}:
-            assert f"(pid {pid}); a fresh one takes the device." in said, said
-        assert f"trial 2: {why}: SIGKILL to its rank on device" in said, said
-
-
 # -- SIGTERM to the launcher, then the same command again ------------------------------------
 class TestSigtermToThePoolPutsRunningTrialsBackAndTheSameCommandFinishes:
     TRIALS = 8
