@@ -13,14 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 from neps_bcast import faults
-from neps_bcast.compat import procfs
 from neps_bcast.compat import torch as torch_compat
 from neps_bcast.compat.torch import Store
 from neps_bcast.config import Settings
@@ -286,21 +284,30 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
     """A peer has gone silent for the bound (``transport.liveness``, on its thread): it
     gets the outcome of a lost process.
 
-    Leader: a silent follower on this host is SIGKILLed (frozen: ours to end); one on
-    another host has every connection of this process to its address shut (gloo's and
-    the control channel's), and an NCCL group is aborted. Either way the waits of this
-    rank fail as if the peer had died, and the trial ends as for a lost follower: back
-    to ``pending``, ``FollowerLostError`` naming the silence. Follower: a silent leader
-    on this host is SIGKILLed, and this process exits with code 1 (``LeaderLostError``)
-    at once, whatever it was blocked in.
+    A peer is here only when its process (``silence.process``: host, boot id, pid
+    namespace, pid, start time) is: a peer in another container of this host (another pid
+    namespace) is handled as one on another host, and its pid number, which names another
+    process here, is never signalled. Leader: a silent follower here is SIGKILLed (frozen:
+    ours to end) if its start time still matches; one elsewhere has every connection of
+    this process to it shut (gloo's and the control channel's: to its addresses, and, for a
+    container sharing this host's network, those whose other end no process here holds),
+    and an NCCL group is aborted. Either way the waits of this rank fail as if the peer
+    had died, and the trial ends as for a lost follower: back to ``pending``,
+    ``FollowerLostError`` naming the silence. Follower: a silent leader here is
+    SIGKILLed, and this process exits with code 1 (``LeaderLostError``) at once, whatever
+    it was blocked in.
     """
     if rt.link.stopping:
         return
-    here = silence.host == socket.gethostname() and silence.pid is not None
-    if here and silence.pid is not None and not procfs.is_alive(silence.pid):
+    process = silence.process
+    here = process is not None and process.is_here
+    if here and process is not None and not process.is_running():
         return  # it died: its closed connections tell the main thread how
+    where = process.where() if process is not None else "not known which process it is"
     if rt.group_rank == 0:
         action = "killed by the leader (SIGKILL)" if here else "its connections shut"
+        if not here and where:
+            action += f"; {where}"
         liveness.mark(silence, action)
         logger.log(
             logging.ERROR,
@@ -317,7 +324,7 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
                 target=_settle_or_leave, args=(rt, silence), name="neps_bcast-silent", daemon=True
             ).start()
         if here:
-            liveness.kill_if_here(silence.host, silence.pid)
+            liveness.kill_if_here(process)
             return
         if rt.group.backend == "nccl":
             with contextlib.suppress(Exception):
@@ -327,10 +334,11 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
         if silence.address is not None:
             addresses.add(silence.address)
         addresses.discard("0.0.0.0")  # noqa: S104 - a wildcard is no peer's address
-        shut = sockets.shutdown(sockets.connections_to(addresses))
+        inodes = sockets.connections_to(addresses) | sockets.connections_out_of_sight(addresses)
+        shut = sockets.shutdown(inodes)
         logger.log(logging.INFO, "shut %d connection(s) to %s", shut, sorted(addresses))
         return
-    killed = here and liveness.kill_if_here(silence.host, silence.pid)
+    killed = here and liveness.kill_if_here(process)
     liveness.mark(silence, "killed by this follower (SIGKILL)" if killed else "left")
     logger.log(
         logging.ERROR,
@@ -339,7 +347,11 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
         " pending when a leader next looks for orphans (the same command again). If the"
         " leader only stalls, raise NEPS_BCAST_PEER_TIMEOUT_S (now %g s).",
         silence.describe(),
-        " (killed by this follower: it was on this host)" if killed else "",
+        " (killed by this follower: it was on this host)"
+        if killed
+        else f" (not signalled: {where})"
+        if where
+        else "",
         rt.settings.peer_timeout_s,
     )
     exit_now(1)

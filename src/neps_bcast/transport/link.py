@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import TCPStore
 from neps_bcast.config import Settings
 from neps_bcast.errors import LeaderLostError, ProtocolError, format_message
@@ -152,6 +153,7 @@ class Link:
                 bound,
                 self.on_silent,
                 self._host_and_pid,
+                self._process_of,
             )
         elif self.address is not None:
             self.liveness = liveness.LeaderBeat(
@@ -161,6 +163,7 @@ class Link:
                 bound,
                 self.on_silent,
                 lambda: self._host_and_pid(0),
+                lambda: self._process_of(0),
             )
 
     def _host_and_pid(self, group_rank: int) -> tuple[str, int | None]:
@@ -168,6 +171,11 @@ class Link:
         if peer is None:
             return "unknown", None
         return peer.host, peer.pid
+
+    def _process_of(self, group_rank: int) -> procfs.Process | None:
+        """Who the rank is, as its peer record says (None: no record read yet)."""
+        peer = self.peers.known(group_rank)
+        return peer.process if peer is not None else None
 
     def stop_liveness(self) -> None:
         """The search ends (STOP): peers leaving from now on are not silent."""

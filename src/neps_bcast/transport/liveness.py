@@ -16,7 +16,10 @@ under its own key of the leader's store every ``beat_s`` (a tenth of
 ``NEPS_BCAST_PEER_TIMEOUT_S``) and reads the leader's; the leader's monitor thread
 reads every follower's and writes its own. Each record is tagged with the search's
 secret and carries a counter that must grow (a replayed record is no beat), what the
-rank is doing, and the address it reaches the leader from.
+rank is doing, the address it reaches the leader from, and who beats (``procfs.Process``:
+host, boot id, pid namespace, pid, start time). A beat from another process than the one
+the rank's peer record names (or, without a record, than the one that beat first) is
+refused: a verdict names, and may signal, only the process that went silent.
 - The leader finds a follower silent when its counter has not grown for the bound,
   counted only while the monitor itself was running (a leader that was frozen itself,
   or starved of CPU, does not blame its followers for its own gap).
@@ -42,12 +45,14 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import Store
 from neps_bcast.errors import AuthError
 from neps_bcast.log import logger
@@ -119,7 +124,12 @@ def beat_key(group_rank: int) -> str:
 
 @dataclass(frozen=True)
 class Silence:
-    """A peer that has gone silent: who, where, what it was doing, for how long."""
+    """A peer that has gone silent: who, where, what it was doing, for how long.
+
+    ``host`` and ``pid`` name it in log lines; ``process`` is who it is (from its peer
+    record, else from its beats; None: not known), and the only thing a verdict acts on:
+    a peer whose ``process`` is not here (another host, boot or pid namespace) is never
+    signalled."""
 
     group_rank: int
     host: str
@@ -127,6 +137,7 @@ class Silence:
     address: str | None
     silent_s: float
     doing: str
+    process: procfs.Process | None = None
 
     def describe(self) -> str:
         pid = f"pid {self.pid}" if self.pid is not None else "pid unknown"
@@ -170,10 +181,28 @@ class _Beat:
     doing: str = "unknown"
     address: str | None = None
     silent_s: float = 0.0
+    process: procfs.Process | None = None
+    """Who beats under this rank's key (from its first beat on)."""
+
+
+_me: procfs.Process | None = None
+
+
+def _myself() -> procfs.Process:
+    """This process, read once (who it is does not change while it runs)."""
+    global _me  # noqa: PLW0603 - a cache of this process's own identity
+    if _me is None or _me.pid != os.getpid():
+        _me = procfs.Process.me()
+    return _me
 
 
 def _record(n: int, address: str | None) -> dict[str, object]:
-    record: dict[str, object] = {"n": n, "doing": _doing, "addr": address}
+    record: dict[str, object] = {
+        "n": n,
+        "doing": _doing,
+        "addr": address,
+        "who": _myself().to_json(),
+    }
     if _silenced:
         record["silent"] = "; ".join(silence.describe() for silence, _ in _silenced.values())
     return record
@@ -203,6 +232,27 @@ def _read(client: Store, signer: Signer, group_rank: int) -> dict[str, object] |
         return None
     raw = json.loads(store.take(client, signer, key, sender=group_rank).decode())
     return raw if isinstance(raw, dict) else None
+
+
+def _beater(
+    record: dict[str, object], group_rank: int, expected: procfs.Process | None
+) -> procfs.Process:
+    """Who sent ``record``; ``ValueError`` when it names nobody, or another process than
+    ``expected`` (the rank's peer record, or the process that beat before)."""
+    who = procfs.Process.from_json(record.get("who"))
+    if who is None:
+        raise ValueError("it does not say which process beats (host, boot id, pid namespace, pid)")
+    if expected is not None and who != expected:
+        raise ValueError(
+            f"it comes from {who.describe()} ({who.pid_namespace}, started at tick"
+            f" {who.start_ticks}), not from rank {group_rank}'s process, {expected.describe()}"
+            f" ({expected.pid_namespace}, started at tick {expected.start_ticks})"
+        )
+    return who
+
+
+def _no_identity(_group_rank: int) -> procfs.Process | None:
+    return None
 
 
 def _accrue(last_wake: float, beat_s: float) -> tuple[float, float]:
@@ -258,13 +308,17 @@ class Monitor:
         bound_s: float,
         on_silent: Callable[[Silence], None],
         peer_of: Callable[[int], tuple[str, int | None]],
+        process_of: Callable[[int], procfs.Process | None] = _no_identity,
     ) -> None:
+        """``peer_of``: a rank's host and pid, for log lines; ``process_of``: who it is
+        (its peer record), which its beats must come from."""
         self.world_size = world_size
         self.signer = signer
         self.bound_s = bound_s
         self.beat_s = bound_s / BEATS_PER_BOUND
         self._on_silent = on_silent
         self._peer_of = peer_of
+        self._process_of = process_of
         self._stopped = threading.Event()
         self._beats = {r: _Beat() for r in range(1, world_size)}
         self._n = 0
@@ -310,6 +364,10 @@ class Monitor:
     def _look(self, group_rank: int, beat: _Beat, gap: float) -> None:
         try:
             record = _read(self._client, self.signer, group_rank)
+            who = None
+            if record is not None:
+                expected = self._process_of(group_rank) or beat.process
+                who = _beater(record, group_rank, expected)
         except (AuthError, ValueError) as exc:
             logger.log(logging.ERROR, "refused a beat of rank %d: %s", group_rank, exc)
             record = None
@@ -321,12 +379,16 @@ class Monitor:
             beat.doing = str(record.get("doing", "unknown"))
             address = record.get("addr")
             beat.address = address if isinstance(address, str) else None
+            beat.process = who
             beat.silent_s = 0.0
             return
         beat.silent_s += gap
         if beat.silent_s > self.bound_s and not self._stopped.is_set():
             host, pid = self._peer_of(group_rank)
-            silence = Silence(group_rank, host, pid, beat.address, beat.silent_s, beat.doing)
+            process = self._process_of(group_rank) or beat.process
+            silence = Silence(
+                group_rank, host, pid, beat.address, beat.silent_s, beat.doing, process
+            )
             self._stopped.set()
             self._on_silent(silence)
             with contextlib.suppress(Exception):  # the followers read it with their beats
@@ -344,13 +406,19 @@ class LeaderBeat:
         bound_s: float,
         on_silent: Callable[[Silence], None],
         leader: Callable[[], tuple[str, int | None]],
+        leader_process: Callable[[], procfs.Process | None] = lambda: None,
     ) -> None:
+        """``leader``: its host and pid, for log lines; ``leader_process``: who it is
+        (its peer record), which its beats must come from."""
         self.group_rank = group_rank
         self.signer = signer
         self.bound_s = bound_s
         self.beat_s = bound_s / BEATS_PER_BOUND
         self._on_silent = on_silent
         self._leader = leader
+        self._leader_process = leader_process
+        self._heard: procfs.Process | None = None
+        """The process the leader's beats came from."""
         self._stopped = threading.Event()
         self._pending_since: float | None = None
         self._leader_doing = "unknown"
@@ -383,6 +451,9 @@ class LeaderBeat:
                     sender=self.group_rank,
                 )
                 record = _read(self._client, self.signer, 0)
+                if record is not None:
+                    expected = self._leader_process() or self._heard
+                    self._heard = _beater(record, 0, expected)
             except (AuthError, ValueError) as exc:
                 logger.log(logging.ERROR, "refused the leader's beat: %s", exc)
                 record = None
@@ -418,9 +489,10 @@ class LeaderBeat:
             silent_s += gap
             if silent_s > self.bound_s and not self._stopped.is_set():
                 host, pid = self._leader()
+                process = self._leader_process() or self._heard
                 self._stopped.set()
                 doing = leader_step(self._leader_doing)
-                self._on_silent(Silence(0, host, pid, None, silent_s, doing))
+                self._on_silent(Silence(0, host, pid, None, silent_s, doing, process))
                 return
 
 
@@ -434,12 +506,14 @@ def _route_to(host: str) -> str | None:
     return None
 
 
-def kill_if_here(host: str, pid: int | None) -> bool:
-    """SIGKILL a silent peer that runs on this host (a frozen process is ours to end)."""
-    if pid is None or host != socket.gethostname() or pid == os.getpid():
+def kill_if_here(process: procfs.Process | None) -> bool:
+    """SIGKILL a silent peer that runs here (a frozen process is ours to end): only the
+    process its record names, on this host, boot and pid namespace, and only while its
+    start time still matches (``procfs.send``). A peer in another container of this host,
+    or one not known, is never signalled: its pid number names another process here."""
+    if process is None or process.pid == os.getpid():
         return False
     try:
-        os.kill(pid, 9)
+        return procfs.send(process, signal.SIGKILL)
     except OSError:
         return False
-    return True

@@ -1,4 +1,10 @@
-"""Who the other ranks of the group are (host, pid), and what became of a lost one.
+"""Who the other ranks of the group are, and what became of a lost one.
+
+A rank is named by its process (``procfs.Process``: host, boot id, pid namespace, pid,
+start time), never by host and pid alone: containers that share a host's name and network
+number their processes each from 1, so a peer is "here" (its pid looked up in this
+``/proc``, its sockets read, its exit told) only on this host, boot and pid namespace, and
+it is that process only while its start time matches.
 
 Every rank publishes itself on the leader's store as soon as it reaches it (the leader
 when it serves it; a Lightning child before Lightning's rendezvous), so that from the
@@ -23,7 +29,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import Store
@@ -44,11 +50,29 @@ class Peer:
     pid: int
     listen: tuple[sockets.Endpoint, ...] = ()
     """This process's listening endpoints when it published (for peers on other hosts)."""
+    boot_id: str = field(default_factory=procfs.boot_id)
+    pid_namespace: str = field(default_factory=procfs.pid_namespace)
+    """A peer built here from a pid (``relatives``) is of this boot and pid namespace; a
+    record read from the store says its own (and names none if it has none)."""
+    start_ticks: int | None = None
+    """When it started (None: not known, and then it is never signalled)."""
+
+    @property
+    def process(self) -> procfs.Process | None:
+        """Who it is; None where its start time is not known."""
+        if self.start_ticks is None:
+            return None
+        return procfs.Process(
+            self.host, self.boot_id, self.pid_namespace, self.pid, self.start_ticks
+        )
 
     def to_json(self) -> dict[str, object]:
         return {
             "host": self.host,
+            "boot_id": self.boot_id,
+            "pid_namespace": self.pid_namespace,
             "pid": self.pid,
+            "start_ticks": self.start_ticks,
             "listen": [list(e) for e in self.listen],
         }
 
@@ -56,22 +80,42 @@ class Peer:
     def from_json(cls, group_rank: int, raw: object) -> Peer | None:
         if not isinstance(raw, dict):
             return None
-        host, pid, listen = raw.get("host"), raw.get("pid"), raw.get("listen", [])
-        if not isinstance(host, str) or not isinstance(pid, int) or not isinstance(listen, list):
+        process, listen = procfs.Process.from_json(raw), raw.get("listen", [])
+        if process is None or not isinstance(listen, list):
             return None
         endpoints = tuple(
             (str(e[0]), int(e[1])) for e in listen if isinstance(e, list) and len(e) == 2
         )
-        return cls(group_rank, host, pid, endpoints)
+        return cls(
+            group_rank,
+            process.host,
+            process.pid,
+            endpoints,
+            process.boot_id,
+            process.pid_namespace,
+            process.start_ticks,
+        )
 
     @property
     def is_here(self) -> bool:
-        return self.host == socket.gethostname()
+        """Its pid names it in this ``/proc``: same host, boot and pid namespace."""
+        return (
+            bool(self.boot_id)
+            and (self.host, self.boot_id, self.pid_namespace)
+            == (socket.gethostname(), procfs.boot_id(), procfs.pid_namespace())
+            and procfs.proc_is_ours()
+        )
 
 
 def this_process(group_rank: int) -> Peer:
-    listen = sockets.own_listening()
-    return Peer(group_rank, socket.gethostname(), os.getpid(), tuple(sorted(listen)))
+    return _local(group_rank, os.getpid(), tuple(sorted(sockets.own_listening())))
+
+
+def _local(group_rank: int, pid: int, listen: tuple[sockets.Endpoint, ...] = ()) -> Peer:
+    """A process of this host and pid namespace, found by its pid now."""
+    process = procfs.Process.me() if pid == os.getpid() else procfs.Process.of(pid)
+    ticks = process.start_ticks if process is not None else None
+    return Peer(group_rank, socket.gethostname(), pid, listen, start_ticks=ticks)
 
 
 def _no_relatives() -> list[Peer]:
@@ -121,7 +165,10 @@ class Peers:
                 return  # not published yet (a Lightning child still starting)
             peer = Peer.from_json(group_rank, take_json(store, self.signer, key, sender=group_rank))
             if peer is None:
-                raise ValueError("it is not a peer record (host, pid, listen)")
+                raise ValueError(
+                    "it is not a peer record (host, boot id, pid namespace, pid, start time,"
+                    " listen)"
+                )
         except AuthError as exc:
             self._refused.add(group_rank)
             logger.log(logging.ERROR, "%s", exc)
@@ -162,7 +209,7 @@ class Peers:
                 continue
             if not peer.is_here:
                 continue
-            how = _how_it_ended(peer.pid)
+            how = _how_it_ended(peer.pid, peer.start_ticks)
             if how is not None:
                 who = f"rank {peer.group_rank}" if peer.group_rank >= 0 else "a child process"
                 lost.append(f"{who} lost: {how} (pid {peer.pid})")
@@ -172,10 +219,9 @@ class Peers:
 def lightning_relatives(launch_kind: str) -> list[Peer]:
     """Under Lightning's own launcher the group is this process's parent (a child's
     leader) or its child processes (the leader's)."""
-    here = socket.gethostname()
     if launch_kind == "lightning_child":
         stat = procfs.read_stat(os.getpid())
-        return [Peer(0, here, stat.ppid)] if stat is not None else []
+        return [_local(0, stat.ppid)] if stat is not None else []
     if launch_kind == "single":
         me = os.getpid()
         children = [
@@ -183,7 +229,7 @@ def lightning_relatives(launch_kind: str) -> list[Peer]:
             for pid in procfs.all_pids()
             if (st := procfs.read_stat(pid)) is not None and st.ppid == me
         ]
-        return [Peer(-1, here, pid) for pid in children]
+        return [_local(-1, pid) for pid in children]
     return []
 
 
@@ -195,7 +241,7 @@ def launch_relatives(
     rendezvous address, ...), with their rank in ``rank_variable``."""
     if not identity or rank_variable is None:
         return []
-    here, me, uid = socket.gethostname(), os.getpid(), os.geteuid()
+    me, uid = os.getpid(), os.geteuid()
     found = []
     for pid in procfs.all_pids():
         if pid == me or procfs.owner(pid) != uid:
@@ -208,11 +254,13 @@ def launch_relatives(
         except ValueError:
             continue
         if rank != group_rank:  # not this rank's own children (data loader workers)
-            found.append(Peer(rank, here, pid))
+            found.append(_local(rank, pid))
     return found
 
 
-def _how_it_ended(pid: int) -> str | None:
+def _how_it_ended(pid: int, ticks: int | None = None) -> str | None:
+    if ticks is not None and procfs.is_alive(pid) and procfs.start_ticks(pid) != ticks:
+        return "its process is gone (its pid is another process's now)"
     stat = procfs.read_stat(pid)
     if stat is not None and stat.ppid == os.getpid():
         deadline = time.monotonic() + EXIT_STATUS_WAIT_S

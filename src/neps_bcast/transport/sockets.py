@@ -19,6 +19,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from neps_bcast.compat import procfs
+
 Endpoint = tuple[str, int]
 """(IP address as text, port); IPv4-mapped IPv6 addresses are given as IPv4."""
 
@@ -169,5 +171,33 @@ def connections_to(addresses: set[str]) -> set[int]:
             continue
         ip = entry.remote[0]
         if ip in addresses and not ipaddress.ip_address(ip).is_loopback:
+            found.add(inode)
+    return found
+
+
+def connections_out_of_sight(addresses: set[str]) -> set[int]:
+    """Inodes of this process's established TCP connections to ``addresses`` or loopback
+    whose other end is a socket of this network namespace that no process this one can
+    see holds: a process in another pid namespace (a container sharing this host's
+    network: Kubernetes ``hostNetwork``, ``docker run --network host``). Such a peer's
+    connections share the addresses of this container's own processes, so they are told
+    apart by who holds their other end; this process's own and its container's stay (a
+    process here whose sockets this one may not read, another user's, counts as out of
+    sight: shutting a connection to it only hastens the end the silence brings)."""
+    table = tcp_table()
+    by_ends = {(e.local, e.remote): e.inode for e in table.values()}
+    seen: set[int] = set(socket_inodes())
+    for pid in procfs.all_pids():
+        seen.update(socket_inodes(pid))
+    found = set()
+    for inode in socket_inodes():
+        entry = table.get(inode)
+        if entry is None or entry.state != ESTABLISHED:
+            continue
+        ip = entry.remote[0]
+        if ip not in addresses and not ipaddress.ip_address(ip).is_loopback:
+            continue
+        other_end = by_ends.get((entry.remote, entry.local))
+        if other_end is not None and other_end not in seen:
             found.add(inode)
     return found
