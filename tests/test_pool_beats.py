@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from neps_bcast.compat import procfs
 from neps_bcast.pool import beats
 from verdicts import WAIT, Verdicts, wait_until
 
@@ -61,8 +62,8 @@ def test_a_frozen_member_is_found_silent_after_the_bound_and_a_live_one_never(
     frozen, live = beating("agent0.1"), beating("rank0.2")
     verdicts = Verdicts[beats.Silent]()
     judge = beats.Beats(tmp_path, beats.LAUNCHER, BOUND, verdicts)
-    judge.watch("agent0.1", "agent 0", frozen.pid)
-    judge.watch("rank0.2", "rank 0", live.pid)
+    judge.watch("agent0.1", "agent 0", procfs.Process.of(frozen.pid))
+    judge.watch("rank0.2", "rank 0", procfs.Process.of(live.pid))
     try:
         # Positive control: both beat, and nobody is found silent meanwhile.
         start = {n: beats.read(tmp_path, n) or 0 for n in ("agent0.1", "rank0.2")}
@@ -99,7 +100,7 @@ def test_silence_counts_only_the_time_the_judge_ran_and_a_new_beat_clears_it(
     verdicts = Verdicts[beats.Silent]()
     judge = beats.Beats(tmp_path, beats.LAUNCHER, 1000.0, verdicts)  # its thread stays asleep
     try:
-        judge.watch("rank1.7", "rank 1", 7)
+        judge.watch("rank1.7", "rank 1", procfs.Process("h", "b", "pid:[1]", 7, 70))
         assert judge._judge(500.0) == []  # not beating yet: never silent
         (tmp_path / "rank1.7").write_text("1")
         assert judge._judge(100.0) == []  # its first beat
@@ -118,12 +119,19 @@ def test_silence_counts_only_the_time_the_judge_ran_and_a_new_beat_clears_it(
 
 KILLS_ITS_PARENT = """
 import os, sys
+from dataclasses import replace
+from neps_bcast.compat import procfs
 from neps_bcast.pool import beats
 verdict = beats.end_silent_launcher("[test member]")
+def silent(process):
+    return beats.Silent("launcher", "the pool's launcher", process.pid, 31.0, 30.0, process)
 # A stranger's pid first: not this process's parent, never killed.
-verdict(beats.Silent("launcher", "the pool's launcher", int(sys.argv[1]), 31.0, 30.0))
+verdict(silent(procfs.Process.of(int(sys.argv[1]))))
+# Its parent's pid, but another start time (the pid of a launcher that died, handed on).
+parent = procfs.Process.of(os.getppid())
+verdict(silent(replace(parent, start_ticks=parent.start_ticks - 1)))
 print("spared", flush=True)
-verdict(beats.Silent("launcher", "the pool's launcher", os.getppid(), 31.0, 30.0))
+verdict(silent(parent))
 """
 
 PARENT = """
@@ -187,7 +195,7 @@ def test_a_member_that_leaves_is_judged_no_more(tmp_path: Path) -> None:
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "beating"
-        judge.watch("rank1.9", "rank 1", proc.pid)
+        judge.watch("rank1.9", "rank 1", procfs.Process.of(proc.pid))
         wait_until(lambda: (beats.read(tmp_path, "rank1.9") or 0) >= 5, "five beats")
         proc.stdin.write("leave\n")
         proc.stdin.flush()

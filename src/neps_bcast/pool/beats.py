@@ -21,6 +21,10 @@ process that finds the launcher silent SIGKILLs it, so that every process of the
 gets its parent-death SIGTERM: the launch stops as after a launcher's crash, each trial
 back to pending, and the same command again goes on.
 
+Each watched process is named by who it is (``procfs.Process``: host, boot id, pid
+namespace, pid, start time), read when it was started or connected; it is SIGKILLed only
+while its start time still matches (``procfs.send``), never by its pid number alone.
+
 What it does not find: a process frozen before its first beat (a member beats once it
 has connected to the launcher), and a thread of a live process that hangs while its beat
 thread runs (``--trial-time-limit`` bounds a trial that hangs so).
@@ -39,6 +43,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from neps_bcast.compat import procfs
 
 BEATS_PER_BOUND = 10
 """Beats in one bound: a silent process is one that missed ~10."""
@@ -85,6 +91,8 @@ class Silent:
     pid: int | None
     silent_s: float
     bound_s: float
+    process: procfs.Process | None = None
+    """Who it is (None: not known, and then it is never signalled)."""
 
     def describe(self) -> str:
         pid = f"pid {self.pid}" if self.pid is not None else "pid unknown"
@@ -94,7 +102,7 @@ class Silent:
 @dataclass
 class _Watch:
     label: str
-    pid: int | None
+    process: procfs.Process | None
     n: int = 0
     silent_s: float = 0.0
 
@@ -121,10 +129,10 @@ class Beats:
         self._thread = threading.Thread(target=self._run, name="neps_bcast-pool-beat", daemon=True)
         self._thread.start()
 
-    def watch(self, name: str, label: str, pid: int | None) -> None:
-        """Judge ``name``'s counter from its first beat on."""
+    def watch(self, name: str, label: str, process: procfs.Process | None) -> None:
+        """Judge ``name``'s counter from its first beat on (``process``: who beats there)."""
         with self._lock:
-            self._watched.setdefault(name, _Watch(label, pid))
+            self._watched.setdefault(name, _Watch(label, process))
 
     def unwatch(self, name: str) -> None:
         with self._lock:
@@ -177,7 +185,10 @@ class Beats:
                 watch.silent_s += gap
                 if watch.silent_s > self.bound_s:
                     del self._watched[name]
-                    found.append(Silent(name, watch.label, watch.pid, watch.silent_s, self.bound_s))
+                    pid = watch.process.pid if watch.process is not None else None
+                    found.append(
+                        Silent(name, watch.label, pid, watch.silent_s, self.bound_s, watch.process)
+                    )
         return found
 
 
@@ -190,9 +201,11 @@ def of_member(
     on_silent: Callable[[Silent], None],
 ) -> Beats:
     """An agent's or a rank's beats, judging its launcher (``launcher_pid``: the
-    kernel's word for the process serving the pool's socket, ``SO_PEERCRED``)."""
+    kernel's word for the process serving the pool's socket, ``SO_PEERCRED``, 0 where that
+    process is in no pid namespace this one sees; its start time read now)."""
     member = Beats(folder_of(socket_path), name_of(role, index, os.getpid()), bound_s, on_silent)
-    member.watch(LAUNCHER, "the pool's launcher", launcher_pid)
+    launcher = procfs.Process.of(launcher_pid) if launcher_pid > 0 else None
+    member.watch(LAUNCHER, "the pool's launcher", launcher)
     atexit.register(member.leave)  # registered last: runs before the imports' handlers
     return member
 
@@ -202,12 +215,14 @@ def end_silent_launcher(tag: str) -> Callable[[Silent], None]:
     frozen process is ours to end), so that every process of the launch gets its
     parent-death SIGTERM and stops as after a launcher's crash (each trial back to
     pending). A launcher that is no longer this process's parent is gone already (its
-    parent-death SIGTERM came or comes): nothing is killed then, so no other process
-    that took its pid is."""
+    parent-death SIGTERM came or comes): nothing is killed then; nor is a launcher whose
+    start time no longer matches (``procfs.send``), so no other process that took its
+    pid is."""
     from neps_bcast.log import exit_now, logger
 
     def verdict(silent: Silent) -> None:
-        if silent.pid is None or os.getppid() != silent.pid:
+        launcher = silent.process
+        if launcher is None or os.getppid() != launcher.pid:
             return
         logger.error(
             "%s lost the pool's launcher: %s: frozen or hung; SIGKILL to it, so that every"
@@ -219,9 +234,7 @@ def end_silent_launcher(tag: str) -> Callable[[Silent], None]:
             silent.bound_s,
         )
         try:
-            os.kill(silent.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return  # gone between the look and the kill: its parent-death SIGTERM comes
+            procfs.send(launcher, signal.SIGKILL)  # False: gone, its parent-death SIGTERM comes
         except OSError as exc:
             logger.error("%s could not end the launcher (%s): leaving.", tag, exc)
             exit_now(1)

@@ -4,7 +4,6 @@ pending), and the trial's ranks still in it are stopped."""
 
 from __future__ import annotations
 
-from neps_bcast.compat import procfs
 from neps_bcast.launcher import status
 from neps_bcast.pool.members import Member, Order, exit_text
 from neps_bcast.pool.trials import Trials
@@ -96,4 +95,4 @@ class Endings:
                 self.display.say(
                     f"{what} {rank.index} (pid {rank.proc.pid}); a fresh one takes the device."
                 )
-                procfs.kill(rank.proc.pid)
+                rank.kill()

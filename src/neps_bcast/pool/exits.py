@@ -11,7 +11,6 @@ that its exit is handled as a crash's.
 
 from __future__ import annotations
 
-import signal
 import threading
 from collections.abc import Callable
 
@@ -75,7 +74,7 @@ class Exits:
                 " goes back to pending. If it only stalls, raise NEPS_BCAST_PEER_TIMEOUT_S"
                 f" (now {silent.bound_s:g} s)."
             )
-            member.proc.send_signal(signal.SIGKILL)
+            member.kill()
 
     # -- exits ---------------------------------------------------------------------
     def reap_agents(self) -> None:

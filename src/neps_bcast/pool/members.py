@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from neps_bcast.compat import procfs
 from neps_bcast.launcher import status
 from neps_bcast.launcher.plan import SLURM_TASK_VARIABLES
 from neps_bcast.launcher.processes import Supervisor
@@ -54,6 +55,9 @@ class Member:
     index: int
     proc: subprocess.Popen[bytes]
     log: Path
+    process: procfs.Process | None = None
+    """Who it is (read once it was started: a child not reaped, so its pid is still it);
+    every signal to it goes through ``procfs.send``, which checks its start time."""
     conn: wire.Conn | None = None
     order: str | None = None
     """A rank: the order it is in (from the order until it is free again)."""
@@ -63,6 +67,15 @@ class Member:
     """It connected and proved the pool's key (a rank: after it proved its device)."""
     reaped: bool = False
     """Its exit was handled."""
+
+    def kill(self) -> None:
+        """SIGKILL it while it is still the process this launcher started: by its identity
+        (``procfs.send``), or, where ``/proc`` could not tell it, through ``Popen``, which
+        signals only a child it has not reaped (whose pid cannot name another process)."""
+        if self.process is not None:
+            procfs.send(self.process, signal.SIGKILL)
+        elif self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
 
 
 @dataclass
@@ -162,10 +175,11 @@ class Members:
                 self.environment(role, index),
                 out,
             )
-        member = Member(role, index, proc, log)
+        member = Member(role, index, proc, log, procfs.Process.of(proc.pid))
         self.of(role)[index] = member
         if self.beats is not None:
-            self.beats.watch(beats.name_of(role, index, proc.pid), f"{role} {index}", proc.pid)
+            name = beats.name_of(role, index, proc.pid)
+            self.beats.watch(name, f"{role} {index}", member.process)
         return member
 
     def by_beat(self, name: str) -> Member | None:
