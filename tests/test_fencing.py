@@ -115,7 +115,7 @@ def test_a_leader_finds_at_its_next_heartbeat_that_its_trial_was_taken_over(
         said.append(line)
         heard.set()
 
-    leases.on_superseded = superseded
+    leases.held.on_superseded = superseded
     try:
         leases.take("7", tmp_path)
         assert leases.written(WAIT)
@@ -172,7 +172,7 @@ def test_status_shows_a_leaders_clock_that_is_off_the_filesystems(tmp_path: Path
 def test_a_leaders_own_hand_back_is_never_fenced(leases: Leases, tmp_path: Path) -> None:
     """Its own hand-back records a crash past the retry limit through NePS's recording:
     the lease it just released (owner: nobody) must not make the fence refuse it."""
-    from neps_bcast.recovery import lease as lease_module
+    from neps_bcast.recovery import hand_back
 
     try:
         leases.take("7", tmp_path)
@@ -181,7 +181,7 @@ def test_a_leaders_own_hand_back_is_never_fenced(leases: Leases, tmp_path: Path)
         assert on_disk is not None
         write_lease(tmp_path, Lease("7", None, on_disk.started, on_disk.heartbeat))
         assert leases.refuse_record("7") is not None  # positive control: fenced
-        with lease_module._handing_back():
+        with hand_back._handing_back():
             assert leases.refuse_record("7") is None
     finally:
         leases.close()
@@ -193,7 +193,7 @@ def test_a_lease_that_cannot_be_read_is_not_taken_for_a_takeover(
     """A torn or unreadable lease (a flaky mount) is tried again at the next heartbeat;
     only a lease that names another owner, or none, stops the leader."""
     said: list[str] = []
-    leases.on_superseded = said.append
+    leases.held.on_superseded = said.append
     try:
         leases.take("7", tmp_path)
         assert leases.written(WAIT)

@@ -127,7 +127,7 @@ def test_a_lease_is_written_off_the_takers_thread_and_never_after_its_trial_ende
     first.mkdir()
     second.mkdir()
     try:
-        with leases._io:  # the write waits: as on a busy disk
+        with leases.held.io:  # the write waits: as on a busy disk
             assert leases.take("7", first) == 1
             assert read_lease(first) is None
             leases.drop()
@@ -255,9 +255,9 @@ def test_a_renewal_never_writes_its_owner_back_over_a_takeover(tmp_path: Path) -
             write_lease(tmp_path, dataclasses.replace(taken, owner=other, attempts=(attempt,)))
         # The heartbeat keeps ticking (every 10 ms); once it saw the takeover it stops.
         deadline = time.monotonic() + 30
-        while leases._held is not None and time.monotonic() < deadline:
-            leases._wake.wait(0.01)
-        assert leases._held is None
+        while leases.held.held() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # a bounded poll of the heartbeat thread's state
+        assert leases.held.held() is None
         after = read_lease(tmp_path)
         assert after is not None and after.owner == other
         assert [a.how for a in after.attempts] == ["test takeover"]

@@ -80,6 +80,28 @@ class TrialBook:
         self._state._report_trial_evaluation(trial, report, worker_id=worker_id)
 
 
+def holder(trial_dir: Path) -> tuple[str, str | None] | None:
+    """NePS's own record of the trial in ``trial_dir``: its state and the worker NePS
+    holds it evaluating for; None where NePS has no record there. Read without NePS's
+    lock (a thread of a leader cannot take it: ``compat.neps.locked_trials``), so a
+    record NePS is rewriting in place raises ``ValueError`` (or ``OSError``): read again
+    later."""
+    import json
+
+    from neps.state.filebased import ReaderWriterTrial
+
+    try:
+        text = (trial_dir / ReaderWriterTrial.METADATA_FILENAME).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        metadata = json.loads(text)
+        state, worker_id = metadata["state"], metadata.get("evaluating_worker_id")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"NePS's record of the trial cannot be read: {exc}") from exc
+    return str(state), None if worker_id is None else str(worker_id)
+
+
 def trial_files() -> frozenset[str]:
     """The files NePS itself writes into a trial's directory (config, report, metadata,
     previous trial id): anything else there was written by the user's code."""

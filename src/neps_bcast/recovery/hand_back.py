@@ -5,14 +5,20 @@ of a trial handed back is decided here, the same for both: its interruption is a
 the lease's history, and the trial goes back to ``pending``, or is recorded ``crashed``
 once it was interrupted more than ``NEPS_BCAST_MAX_RETRIES`` times (``lease`` says why).
 Always under NePS's trial lock (``compat.neps.locked_trials``) and the lease file's.
+
+A hand-back is never fenced (``fence.Fence.refuse``): a trial crashed past the retry
+limit is recorded through NePS's own recording, which the fence must let through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
-from dataclasses import replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from neps_bcast.compat import neps as neps_compat
@@ -39,6 +45,41 @@ milliseconds even on a loaded NFS server; one held longer is a renewal frozen mi
 and that trial is looked at again at the next look."""
 
 
+Seen = tuple[object, ...]
+"""A lease as a look saw it: what a renewal or a takeover changes (``seen``)."""
+
+
+def seen(lease: Lease | None, trial: neps_trials.EvaluatingTrial) -> Seen:
+    """What a renewal or a takeover changes of a trial's lease (or of its absence)."""
+    if lease is None:
+        return ("no lease", trial.worker_id, trial.time_started)
+    return (lease.owner, lease.beats, lease.heartbeat, len(lease.attempts), lease.attempt)
+
+
+@dataclass(frozen=True)
+class Left:
+    """A trial a look left evaluating: whose it is, and its lease as seen."""
+
+    trial_id: str
+    owner: Owner | None
+    """Its lease's owner, else the leader NePS's record names (None: neither)."""
+    seen: Seen | None
+    """None: not read (its lease lock was held)."""
+    alive_here: bool
+    """Its owner runs on this machine and is alive (proven, not timed)."""
+
+
+@dataclass
+class Look:
+    """What one look for orphans did and left."""
+
+    done: list[str]
+    """What became of each trial handed back (``"<id>: <outcome>"``)."""
+    put_back: list[str]
+    """The trials it put back to pending (the others handed back were crashed)."""
+    left: list[Left]
+
+
 class HandBack:
     """Trials handed back under NePS's trial lock, by the leader ``me``."""
 
@@ -53,34 +94,47 @@ class HandBack:
     def orphans(self, root: Path) -> list[str]:
         """Put back every trial of ``root`` whose owner is provably gone; what was done,
         per trial."""
-        done = []
+        return self.look(root).done
+
+    def look(self, root: Path) -> Look:
+        """``orphans``, and the trials left evaluating, each as seen."""
+        look = Look([], [], [])
         with neps_compat.locked_trials(root) as book:
             if book is None:
-                return []
+                return look
             now = time.time()
             fs_now = filesystem_now(root)
             for trial in book.evaluating():
                 try:
                     with lease_lock_within(trial.location, LOOK_LOCK_WAIT_S):
-                        outcome = self._orphan(book, trial, now, fs_now)
+                        lease = read_lease(trial.location)
+                        outcome = self._orphan(book, trial, lease, now, fs_now)
                 except LockBusy as exc:
                     # Its owner is mid-renewal, or frozen in one: it is looked at again
                     # at the next look; the other trials, and NePS, go on meanwhile.
                     logger.log(logging.WARNING, "trial %s not looked at: %s", trial.trial_id, exc)
+                    look.left.append(Left(trial.trial_id, None, None, alive_here=False))
                     continue
-                if outcome is not None:
-                    done.append(f"{trial.trial_id}: {outcome}")
-        return done
+                if outcome is None:
+                    owner = lease.owner if lease is not None else None
+                    owner = owner or Owner.from_worker_id(trial.worker_id)
+                    here = owner is not None and self.me.shares_machine_with(owner)
+                    look.left.append(Left(trial.trial_id, owner, seen(lease, trial), here))
+                    continue
+                look.done.append(f"{trial.trial_id}: {outcome}")
+                if book.state_of(trial.trial_id) == "pending":
+                    look.put_back.append(trial.trial_id)
+        return look
 
     def _orphan(
         self,
         book: neps_trials.TrialBook,
         trial: neps_trials.EvaluatingTrial,
+        lease: Lease | None,
         now: float,
         fs_now: float | None = None,
     ) -> str | None:
         """Under NePS's trial lock and the lease's: hand ``trial`` back if its owner is gone."""
-        lease = read_lease(trial.location)
         reason = why_dead(
             lease,
             trial.time_started,
@@ -128,15 +182,11 @@ class HandBack:
     ) -> float:
         """How long this leader has seen the trial's lease as it is now (its monotonic
         clock: no other host's clock is read)."""
-        seen = (
-            (lease.owner, lease.beats, lease.heartbeat, len(lease.attempts), lease.attempt)
-            if lease is not None
-            else ("no lease", trial.worker_id, trial.time_started)
-        )
+        now_seen = seen(lease, trial)
         now = time.monotonic()
         before = self._seen.get(trial_id)
-        if before is None or before[0] != seen:
-            self._seen[trial_id] = (seen, now)
+        if before is None or before[0] != now_seen:
+            self._seen[trial_id] = (now_seen, now)
             return 0.0
         return now - before[1]
 
@@ -149,6 +199,17 @@ class HandBack:
         attempt: Attempt,
     ) -> str:
         """Under NePS's lock: record ``attempt``; pending, or crashed past the limit."""
+        with _handing_back():
+            return self._trial(book, trial_id, trial_dir, lease, attempt)
+
+    def _trial(
+        self,
+        book: neps_trials.TrialBook,
+        trial_id: str,
+        trial_dir: Path,
+        lease: Lease,
+        attempt: Attempt,
+    ) -> str:
         attempt = where_it_ran(attempt, lease, trial_dir)
         now = time.time()
         released = Lease(trial_id, None, lease.started, now, (*lease.attempts, attempt))
@@ -211,3 +272,22 @@ def _age_by_filesystem(trial_dir: Path, fs_now: float | None) -> float | None:
         except OSError:
             continue
     return None
+
+
+_HANDING_BACK = threading.local()
+"""Set on a thread while it hands a trial back: a crash past the retry limit is recorded
+through NePS's own recording, which the fence must let through."""
+
+
+def handing_back() -> bool:
+    """This thread is handing a trial back (``HandBack.trial``)."""
+    return bool(getattr(_HANDING_BACK, "active", False))
+
+
+@contextlib.contextmanager
+def _handing_back() -> Iterator[None]:
+    _HANDING_BACK.active = True
+    try:
+        yield
+    finally:
+        _HANDING_BACK.active = False

@@ -38,16 +38,17 @@ A leader killed after NePS set its trial evaluating and before it wrote the leas
 found through NePS's own record of the worker: each leader runs NePS under a worker id
 naming its process (``Owner.worker_id``), so such a trial is proven dead at once on
 the same machine too; elsewhere (or under a worker id the user chose) after the grace.
+
+``Leases`` is the leader's one handle on all of it; each concern lives with its state:
+the held lease and its thread (``held_lease``), the fence over NePS's recording
+(``fence``), handing trials back (``hand_back``), and what a worker about to end waits
+for (``in_doubt``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from neps_bcast import faults
@@ -56,7 +57,9 @@ from neps_bcast.compat import neps_trials
 from neps_bcast.config import Settings
 from neps_bcast.launcher.lease_record import parse_lease
 from neps_bcast.log import logger
+from neps_bcast.recovery.fence import Fence
 from neps_bcast.recovery.hand_back import HandBack
+from neps_bcast.recovery.held_lease import HeldLease
 from neps_bcast.recovery.lease_file import (
     OURS_PREFIX,
     Attempt,
@@ -64,9 +67,7 @@ from neps_bcast.recovery.lease_file import (
     Owner,
     lease_lock,
     read_lease,
-    write_lease,
 )
-from neps_bcast.transport import liveness
 
 
 class Leases:
@@ -76,35 +77,13 @@ class Leases:
         self.root = Path(root_directory)
         self.heartbeat_s = settings.heartbeat_s
         self.me = Owner.me()
+        self.held = HeldLease(self.me, settings.heartbeat_s, settings.trial_time_limit_s)
+        """The lease on the trial this leader evaluates, and its thread (``on_superseded``,
+        ``on_time_limit``: what the leader does when it is taken over or runs too long)."""
+        self.fence = Fence(self.me)
         self._hand_back = HandBack(self.me, settings)
-        self._held: tuple[Path, Lease] | None = None
-        self._unwritten: tuple[Path, Lease] | None = None
-        """The lease ``take`` recorded that the heartbeat thread has not written yet."""
-        self._written = threading.Event()
-        self._written.set()
-        self._lock = threading.Lock()
-        self._io = threading.Lock()
-        """Held around a write of a taken lease and a hand-back's read-check-write: the
-        lease file's own lock does not exclude two threads of one process (a POSIX
-        lock belongs to the process)."""
-        self._wake = threading.Event()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._silent_said = False
-        self.time_limit_s = settings.trial_time_limit_s
-        self.on_time_limit: Callable[[str, Path, float], None] | None = None
-        """Called on the heartbeat thread when the held trial runs past the limit."""
-        self._taken_at: float | None = None
-        self._mine: dict[str, tuple[Path, int]] = {}
-        """Every trial this leader took: its directory and this leader's attempt."""
-        self.on_superseded: Callable[[str], None] | None = None
-        """Called on the heartbeat thread with the log line when another leader's
-        attempt took the held trial over (this one was silent past the grace period)."""
         self._looked_at: float | None = None
         """When this leader last looked for orphans (``time.monotonic``)."""
-
-    def log(self, level: int, message: str, *args: object) -> None:
-        logger.log(level, message, *args)
 
     # -- this leader's own trial ------------------------------------------------
     def take(self, trial_id: str, trial_dir: Path, ranks: int | None = None) -> int:
@@ -125,174 +104,34 @@ class Leases:
         previous = read_lease(trial_dir)
         attempts = previous.attempts if previous is not None else ()
         attempt = len(attempts) + 1
-        lease = Lease(trial_id, self.me, now, now, attempts, ranks, attempt=attempt)
-        with self._lock:
-            self._held = self._unwritten = (trial_dir, lease)
-            self._written.clear()
-            self._taken_at = time.monotonic()
-            self._mine[trial_id] = (trial_dir, attempt)
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name="neps_bcast-heartbeat", daemon=True
-            )
-            self._thread.start()
-        self._wake.set()
+        self.fence.took(trial_id, trial_dir, attempt)
+        self.held.take(
+            trial_dir, Lease(trial_id, self.me, now, now, attempts, ranks, attempt=attempt)
+        )
         faults.point("leased")
         return attempt
 
     def written(self, timeout: float) -> bool:
         """Wait until the last lease taken is written (or dropped); False on timeout."""
-        return self._written.wait(timeout)
+        return self.held.written(timeout)
 
     def drop(self) -> None:
-        """The trial ended (NePS records it): stop renewing its lease (and never write
-        it if the thread has not yet: the trial is over)."""
-        with self._lock:
-            self._held = None
-            self._unwritten = None
-            self._written.set()
+        """The trial ended (NePS records it): stop renewing its lease."""
+        self.held.drop()
 
     def close(self) -> None:
-        self._closed = True
-        self._mine.clear()  # the search is over: fence nothing more (one process, one run)
-        self.drop()
-        self._wake.set()
-
-    def _run(self) -> None:
-        """The heartbeat thread: writes each lease taken, renews the held one every
-        heartbeat period."""
-        while True:
-            woken = self._wake.wait(self._next_wait())
-            self._wake.clear()
-            if self._closed:
-                return
-            self._check_time_limit()
-            with self._lock:
-                fresh = self._unwritten
-            if fresh is not None:
-                self._write_taken(fresh)
-            elif not woken:
-                self._renew()
-
-    def _next_wait(self) -> float:
-        """Until the next heartbeat, or the held trial's time limit if that is sooner."""
-        with self._lock:
-            taken_at = self._taken_at if self._held is not None else None
-        if taken_at is None or self.time_limit_s is None:
-            return self.heartbeat_s
-        left = taken_at + self.time_limit_s - time.monotonic()
-        return max(0.0, min(self.heartbeat_s, left))
-
-    def _check_time_limit(self) -> None:
-        """``NEPS_BCAST_TRIAL_TIME_LIMIT_S``: hand the held trial to ``on_time_limit``
-        once it has run that long (once per trial)."""
-        with self._lock:
-            held, taken_at = self._held, self._taken_at
-            limit = self.time_limit_s
-            if held is None or taken_at is None or limit is None:
-                return
-            if time.monotonic() - taken_at < limit or self.on_time_limit is None:
-                return
-            self._taken_at = None
-        self.on_time_limit(held[1].trial_id, held[0], limit)
-
-    def _write_taken(self, fresh: tuple[Path, Lease]) -> None:
-        """Write the lease ``take`` recorded, unless it was dropped or replaced since.
-
-        Without the lease file's lock, as ``take`` wrote it before: no other leader
-        takes over a trial NePS has just handed to this live one, and this process's
-        own hand-back waits on ``_io``."""
-        trial_dir, lease = fresh
-        try:
-            with self._io:
-                with self._lock:
-                    if self._unwritten is not fresh:
-                        return
-                write_lease(trial_dir, lease)
-        except OSError as exc:
-            # Tried again every heartbeat period, as a failed renewal is: until it is
-            # written, a leader elsewhere takes the trial over after the grace period.
-            self.log(logging.WARNING, "could not write the lease of %s: %s", trial_dir, exc)
-            return
-        with self._lock:
-            if self._unwritten is fresh:
-                self._unwritten = None
-                self._written.set()
-
-    def _renew(self) -> None:
-        with self._lock:
-            held = self._held
-            if held is None:
-                return
-            if liveness.any_silent():
-                # The lease tells the truth: a leader whose group has a silent rank is
-                # stuck behind it, and its trial must be free to be taken over.
-                if not self._silent_said:
-                    self._silent_said = True
-                    self.log(
-                        logging.ERROR,
-                        "not renewing the lease of trial %s: a rank of its group is silent",
-                        held[1].trial_id,
-                    )
-                    self._say_silent(*held)
-                return
-            trial_dir, lease = held
-            try:
-                with lease_lock(trial_dir):
-                    try:
-                        on_disk = parse_lease(trial_dir)
-                    except (ValueError, KeyError, TypeError) as exc:
-                        # Unreadable is not taken over (a flaky mount, a torn read):
-                        # tried again at the next heartbeat.
-                        raise OSError(f"cannot read it: {exc}") from exc
-                    if on_disk is None or on_disk.owner != self.me:
-                        line = superseded(lease.trial_id, lease.attempt, on_disk)
-                        self.log(logging.ERROR, "%s; no longer renewing its lease", line)
-                        self._held = None
-                        if self.on_superseded is not None:
-                            self.on_superseded(line)
-                        return
-                    # The history on disk is the truth (a takeover may have added to it).
-                    renewed = replace(on_disk, heartbeat=time.time(), beats=on_disk.beats + 1)
-                    write_lease(trial_dir, renewed)
-                self._held = (trial_dir, renewed)
-            except OSError as exc:
-                self.log(logging.WARNING, "could not renew the lease of %s: %s", trial_dir, exc)
+        self.fence.clear()  # the search is over: fence nothing more (one process, one run)
+        self.held.close()
 
     def refuse_record(self, trial_id: str) -> str | None:
         """Fencing, under NePS's trial lock as NePS records ``trial_id``'s result: why this
-        leader may not record it (another attempt took the trial over), or None. Only the
-        current attempt's owner records; a trial this leader never leased is not ours
-        to judge."""
-        mine = self._mine.get(trial_id)
-        if mine is None or getattr(_HANDING_BACK, "active", False):
-            return None  # not ours to judge, or our own hand-back recording it
-        trial_dir, attempt = mine
-        # No lease lock: NePS's trial lock, held here, already excludes every takeover,
-        # and a lease is replaced atomically. Waiting on the lease lock would put a wait
-        # bounded only by its holder's death (a renewal frozen mid-write) inside NePS's
-        # critical section.
-        on_disk = read_lease(trial_dir)
-        if on_disk is None or (on_disk.owner == self.me and on_disk.attempt in (0, attempt)):
-            return None
-        return superseded(trial_id, attempt, on_disk)
-
-    def _say_silent(self, trial_dir: Path, lease: Lease) -> None:
-        """Record in the lease which rank went silent (``neps-bcast status`` shows it);
-        the heartbeat stays as it was."""
-        text = "; ".join(silence.describe() for silence in liveness.silent_ones())
-        try:
-            with lease_lock(trial_dir):
-                on_disk = read_lease(trial_dir)
-                if on_disk is not None and on_disk.owner == self.me:
-                    write_lease(trial_dir, replace(on_disk, silent=text))
-        except OSError as exc:
-            self.log(logging.WARNING, "could not mark the lease of %s: %s", trial_dir, exc)
+        leader may not record it (another attempt took the trial over, or its lease
+        cannot be read), or None (``fence.Fence.refuse``)."""
+        return self.fence.refuse(trial_id)
 
     def give_back_held(self, how: str) -> str:
         """Put back the trial this leader holds, from any thread (``give_back``)."""
-        with self._lock:
-            held = self._held
+        held = self.held.held()
         if held is None:
             return "none held"
         trial_dir, lease = held
@@ -301,34 +140,37 @@ class Leases:
     def give_back(self, trial_id: str, trial_dir: Path, how: str) -> str:
         """This leader abandons its trial for an infrastructure reason (``how``): back to
         pending, or crashed once it was interrupted more than the retry limit. Returns
-        what became of it."""
+        what became of it. Only the attempt this leader took: one another leader (or
+        another attempt of this one) holds now is left to it."""
         # Its own hand-back is this leader's last word on the trial: NePS records it (a
         # crash past the retry limit goes through NePS's own recording), so the fence
         # must not refuse it as another attempt's.
-        self._mine.pop(trial_id, None)
+        attempt = self.fence.let_go(trial_id)
         faults.point("settle")
-        with self._lock:
-            fresh = self._unwritten
+        fresh = self.held.unwritten()
         if fresh is not None and fresh[1].trial_id == trial_id:
-            self._write_taken(fresh)  # the history names this attempt's own start
-        self.drop()
-        with self._io, neps_compat.locked_trials(self.root) as book:
+            self.held.write_taken(fresh, tell=False)  # the history names this attempt's start
+        self.held.drop()
+        with self.held.io, neps_compat.locked_trials(self.root) as book:
             if book is None or book.state_of(trial_id) != "evaluating":
                 return "left as NePS has it"
             with lease_lock(trial_dir):
-                lease = read_lease(trial_dir) or Lease(trial_id, self.me, time.time(), time.time())
-                if lease.owner not in (None, self.me):
-                    return f"left to {lease.owner.describe()}, which took it over"
-                attempt = Attempt(self.me, lease.started, time.time(), how)
-                with _handing_back():
-                    return self._hand_back.trial(book, trial_id, trial_dir, lease, attempt)
+                try:
+                    lease = own_lease(trial_dir, trial_id, self.me)
+                except ValueError as exc:
+                    logger.log(logging.ERROR, "trial %s: %s", trial_id, exc)
+                    return f"left evaluating: {exc}"
+                taken_over = taken_over_from(lease, self.me, attempt)
+                if taken_over is not None:
+                    return taken_over
+                ended = Attempt(self.me, lease.started, time.time(), how)
+                return self._hand_back.trial(book, trial_id, trial_dir, lease, ended)
 
     # -- orphans ---------------------------------------------------------------
     def recover_orphans(self) -> list[str]:
         """Put back every trial whose owner is provably gone; what was done, per trial."""
         self._looked_at = time.monotonic()
-        with _handing_back():
-            return self._hand_back.orphans(self.root)
+        return self._hand_back.orphans(self.root)
 
     def recover_orphans_if_due(self) -> list[str]:
         """Before a trial: ``recover_orphans`` unless this leader looked less than a
@@ -346,6 +188,35 @@ class Leases:
         return self.recover_orphans()
 
 
+def own_lease(trial_dir: Path, trial_id: str, me: Owner) -> Lease:
+    """The trial's lease for a hand-back of this leader's own trial: one this leader
+    never wrote (its first write failed) is its own; one that cannot be read proves
+    nothing, ``ValueError`` saying why (the trial is left to a look for orphans)."""
+    try:
+        lease = parse_lease(trial_dir)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"its lease cannot be read ({type(exc).__name__}: {exc}): not handed back on a"
+            " guess; a look for orphans hands it back once its owner is proven gone"
+        ) from exc
+    now = time.time()
+    return lease if lease is not None else Lease(trial_id, me, now, now)
+
+
+def taken_over_from(lease: Lease, me: Owner, attempt: int | None) -> str | None:
+    """Why a hand-back of ``attempt`` (None: not known) must leave the trial: another
+    owner, or another attempt, holds it now; None when it is this attempt's."""
+    if lease.owner not in (None, me):
+        return f"left to {lease.owner.describe()}, which took it over"
+    if attempt is None:
+        return None
+    if lease.owner == me and lease.attempt not in (0, attempt):
+        return f"left to attempt {lease.attempt} (this leader's attempt {attempt} is over)"
+    if lease.owner is None and len(lease.attempts) >= attempt:
+        return f"left as it is: attempt {attempt} was already handed back ({lease.history()})"
+    return None
+
+
 def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:
     """On a retry (``attempt`` > 1): ``trial_dir`` when an earlier attempt wrote anything
     there besides NePS's and neps_bcast's own files (a checkpoint), else None."""
@@ -359,29 +230,3 @@ def left_by_earlier_attempts(trial_dir: Path, attempt: int) -> Path | None:
     except OSError as exc:
         logger.log(logging.WARNING, "could not look into %s: %s", trial_dir, exc)
     return None
-
-
-def superseded(trial_id: str, attempt: int, on_disk: Lease | None) -> str:
-    """The one line a leader whose attempt was taken over logs."""
-    if on_disk is not None and on_disk.owner is not None:
-        by = f"attempt {on_disk.attempt or len(on_disk.attempts) + 1} on {on_disk.owner.describe()}"
-    else:
-        by = "a leader's look for orphans, which put it back to pending"
-    return (
-        f"trial {trial_id}: this leader's attempt {attempt} was superseded by {by} (this"
-        " host was silent past NEPS_BCAST_LEASE_GRACE_S): its result is dropped"
-    )
-
-
-_HANDING_BACK = threading.local()
-"""Set on a thread while it hands a trial back: a crash past the retry limit is recorded
-through NePS's own recording, which the fence must let through."""
-
-
-@contextlib.contextmanager
-def _handing_back() -> Iterator[None]:
-    _HANDING_BACK.active = True
-    try:
-        yield
-    finally:
-        _HANDING_BACK.active = False

@@ -133,9 +133,9 @@ def lead(
 def _leases(rt: Runtime, root: Path) -> Leases:
     """This leader's leases, which also end a trial past its time limit."""
     leases = Leases(root, rt.settings)
-    leases.on_time_limit = functools.partial(_past_time_limit, rt, leases)
+    leases.held.on_time_limit = functools.partial(_past_time_limit, rt, leases)
     rt.abandon_trial = leases.give_back_held
-    leases.on_superseded = functools.partial(_superseded, rt)
+    leases.held.on_superseded = functools.partial(_superseded, rt)
     # Fencing: NePS records a result only for the attempt that holds the trial's lease.
     neps_run.fence_recording(functools.partial(_refuse_record, rt, leases))
     return leases
