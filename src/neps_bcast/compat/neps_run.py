@@ -28,10 +28,14 @@ def run_entering_again(
     options: dict[str, Any],
     again: type[BaseException],
     next_worker_id: Callable[[str, int], str],
+    before_the_end: Callable[[], int] = lambda: 0,
 ) -> None:
     """``run(options)`` (``neps.run``), entered again each time it is left with
     ``again``: a pool's agent leaves NePS's loop with a ``BaseException`` after putting
-    its trial back to pending, and enters it again for the next.
+    its trial back to pending, and enters it again for the next. And entered again when
+    it returns while ``before_the_end()`` says it put trials back for this worker to run
+    (a trial in doubt it took over, ``recovery.in_doubt``): for that many trials only
+    (``worker_evaluations_to_spend``), which NePS hands out before it samples a new one.
 
     What it relies on in NePS, each pinned by tests/test_neps_compat.py: a
     ``BaseException`` out of an evaluation leaves the trial set as running in this
@@ -46,12 +50,16 @@ def run_entering_again(
             run(options)
         except again:
             forget_current_trial()
-            entry += 1
-            options = {**options, "overwrite_root_directory": False}  # never wipe it again
-            if options.get("worker_id") is not None:
-                options["worker_id"] = next_worker_id(str(options["worker_id"]), entry)
-            continue
-        return
+        else:
+            put_back = before_the_end()
+            if put_back <= 0:
+                return
+            # A worker id of its own counts this entry's evaluations from 0.
+            options = {**options, "worker_evaluations_to_spend": put_back}
+        entry += 1
+        options = {**options, "overwrite_root_directory": False}  # never wipe it again
+        if options.get("worker_id") is not None:
+            options["worker_id"] = next_worker_id(str(options["worker_id"]), entry)
 
 
 def takes_worker_id() -> bool:

@@ -60,6 +60,7 @@ from neps_bcast.log import logger
 from neps_bcast.recovery.fence import Fence
 from neps_bcast.recovery.hand_back import HandBack
 from neps_bcast.recovery.held_lease import HeldLease
+from neps_bcast.recovery.in_doubt import InDoubt
 from neps_bcast.recovery.lease_file import (
     OURS_PREFIX,
     Attempt,
@@ -76,6 +77,7 @@ class Leases:
     def __init__(self, root_directory: Path, settings: Settings) -> None:
         self.root = Path(root_directory)
         self.heartbeat_s = settings.heartbeat_s
+        self.grace_s = settings.lease_grace_s
         self.me = Owner.me()
         self.held = HeldLease(self.me, settings.heartbeat_s, settings.trial_time_limit_s)
         """The lease on the trial this leader evaluates, and its thread (``on_superseded``,
@@ -186,6 +188,11 @@ class Leases:
         if self._looked_at is not None and time.monotonic() - self._looked_at < self.heartbeat_s:
             return []
         return self.recover_orphans()
+
+    def in_doubt(self) -> InDoubt:
+        """What this worker, about to end, waits for: the trials still evaluating under
+        leases it cannot prove alive or dead yet (``in_doubt``)."""
+        return InDoubt(self.root, self._hand_back, self.heartbeat_s, self.grace_s)
 
 
 def own_lease(trial_dir: Path, trial_id: str, me: Owner) -> Lease:

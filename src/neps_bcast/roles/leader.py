@@ -101,7 +101,7 @@ def lead(
                     # Before NePS samples: trials whose leader died go back to pending,
                     # and NePS hands out pending trials before sampling new ones.
                     leases.recover_orphans()
-                _run_neps(neps.run, wrapped, space, kwargs)
+                _run_neps(neps.run, wrapped, space, kwargs, leases)
             finally:
                 leases.close()
                 guard.release()
@@ -222,13 +222,39 @@ def _releasing(guard: RootGuard, run_trial: RunTrial | None) -> RunTrial | None:
 
 
 def _run_neps(
-    run: Callable[..., Any], wrapped: Callable[..., Any], space: Any, kwargs: dict[str, Any]
+    run: Callable[..., Any],
+    wrapped: Callable[..., Any],
+    space: Any,
+    kwargs: dict[str, Any],
+    leases: Leases,
 ) -> None:
     """``neps.run``, entered again after a pool's trial was put back (``TrialPutBack``):
-    NePS then hands out that pending trial (or another) as it would at a start."""
+    NePS then hands out that pending trial (or another) as it would at a start; and
+    again after it returned, while a trial in doubt was taken over (``_before_the_end``)."""
     neps_run.run_entering_again(
         lambda options: run(wrapped, space, **options),
         kwargs,
         TrialPutBack,
         next_worker_id,
+        functools.partial(_before_the_end, leases),
     )
+
+
+def _before_the_end(leases: Leases) -> int:
+    """NePS's budget is reached, or it has nothing left to sample: before this worker
+    ends, each trial still evaluating under a lease it can prove neither alive nor dead
+    is waited for (``recovery.in_doubt``), never longer than the grace period and a
+    heartbeat. Returns how many it took over, for ``neps.run`` to run now.
+
+    The wait is no step of NePS's: a stop (SIGTERM, Ctrl-C) that comes then, or came
+    while NePS recorded the last trial, is raised at once (this worker holds no trial);
+    the stops wait again from its end on, as between two trials."""
+    doubts = leases.in_doubt()
+    in_doubt = doubts.look()
+    if doubts.put_back or not in_doubt:
+        return len(doubts.put_back)
+    raise_waiting_sigterm()
+    try:
+        return doubts.wait(in_doubt)
+    finally:
+        wait_with_sigterm()
