@@ -8,7 +8,6 @@ open and its kernel still answers, but nothing more comes. Bounds: the peer boun
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import signal
@@ -255,26 +254,81 @@ def test_a_forged_or_replayed_beat_keeps_no_silent_follower_alive(
     assert "refused a beat of rank 1" in caplog.text
 
 
+HELD_BOUND = 2.0
+"""The peer bound of the GIL test: 2 s, so that a beat delayed by a loaded machine's
+scheduling (a few tenths of a second) on top of a hold of half the bound stays far from it."""
+
+GIL_HOLDER = """
+import ctypes, sys
+from neps_bcast.transport import liveness
+from neps_bcast.transport.auth import Signer
+address, bound = sys.argv[1], float(sys.argv[2])
+secret = bytes.fromhex(sys.stdin.readline())
+said = lambda s: print("silent", s.group_rank, flush=True)
+beat = liveness.LeaderBeat(address, 1, Signer(secret), bound, said, lambda: ("h0", None))
+liveness.doing("evaluating trial 4 (#4)")
+libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL, as a long C call does
+print("ready", flush=True)
+for line in sys.stdin:
+    assert libc.usleep(int(float(line) * 1_000_000)) == 0  # one C call: the hold
+    print("held", flush=True)
+"""
+
+
 def test_a_main_thread_that_holds_the_gil_for_half_the_bound_is_never_silent(
     leader_store: TCPStore,
 ) -> None:
-    """Leader and follower in one process: both threads wait while the GIL is held."""
-    signer = Signer(new_secret())
-    leader_saw, follower_saw = Verdicts[liveness.Silence](), Verdicts[liveness.Silence]()
+    """The judge (the leader's monitor, here) runs freely in one process; the follower's
+    beat runs in another, whose main thread holds that process's GIL in one C call. A
+    hold of half the bound, several times, delays its beats by at most that much: no
+    verdict. A hold of 1.5 bounds: the judge names the rank (which shows that a hold
+    does stop the beats, so the first half could fail)."""
+    secret = new_secret()
+    signer = Signer(secret)
+    verdicts = Verdicts[liveness.Silence]()
     address = f"127.0.0.1:{leader_store.port}"
-    monitor = liveness.Monitor(address, 2, signer, BOUND, leader_saw, lambda r: ("h", None))
-    beat = liveness.LeaderBeat(address, 1, signer, BOUND, follower_saw, lambda: ("h", None))
-    libc = ctypes.PyDLL(None)  # PyDLL: the call keeps the GIL, as a long C call does
+    proc = subprocess.Popen(
+        [PYTHON, "-c", GIL_HOLDER, address, f"{HELD_BOUND:g}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+
+    def hold(bounds: float) -> None:
+        assert proc.stdin is not None
+        proc.stdin.write(f"{bounds * HELD_BOUND}\n")
+        proc.stdin.flush()
+
+    monitor: liveness.Monitor | None = None
     try:
-        for _ in range(4):
-            before = monitor.beats_seen(1)
-            libc.usleep(int(BOUND * 0.6 * 1_000_000))
-            wait_until(lambda b=before: monitor.beats_seen(1) >= b + 3, "beats after the hold")
+        monitor = liveness.Monitor(address, 2, signer, HELD_BOUND, verdicts, lambda r: ("h1", None))
+        proc.stdin.write(secret.hex() + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "ready"
+        beats = monitor.beats_seen
+        wait_until(lambda: beats(1) >= 3, "the held rank's first beats")
+        for _ in range(3):
+            hold(0.5)
+            assert proc.stdout.readline().strip() == "held"
+            after = beats(1)
+            # The judge has accepted a beat sent after the hold (or has ruled).
+            wait_until(lambda a=after: beats(1) > a or verdicts.event.is_set(), "a beat")
+            assert verdicts.seen == []
+        hold(1.5)
+        assert verdicts.event.wait(WAIT), "no verdict on a rank held for 1.5 bounds"
+        assert proc.stdout.readline().strip() == "held"
     finally:
-        monitor.stop()
-        beat.stop()
-    assert leader_saw.seen == []
-    assert follower_saw.seen == []
+        if monitor is not None:
+            monitor.stop()
+        proc.kill()
+        out, _ = proc.communicate(timeout=WAIT)
+    (silence,) = verdicts.seen
+    # The rank held, at the step its last beat named.
+    assert (silence.group_rank, silence.doing) == (1, "evaluating trial 4 (#4)")
+    # The held rank's own judge blamed its leader for nothing: its gap was its own.
+    assert "silent" not in out, out
 
 
 FROZEN_AND_RESUMED = """
