@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed
@@ -255,8 +256,8 @@ def test_a_forged_or_replayed_beat_keeps_no_silent_follower_alive(
 
 
 HELD_BOUND = 2.0
-"""The peer bound of the GIL test: 2 s, so that a beat delayed by a loaded machine's
-scheduling (a few tenths of a second) on top of a hold of half the bound stays far from it."""
+"""The peer bound of the tests that hold or freeze a rank for part of a bound: 2 s, so that
+a beat delayed by a loaded machine's scheduling (a few tenths of a second) stays far from it."""
 
 GIL_HOLDER = """
 import ctypes, sys
@@ -331,49 +332,79 @@ def test_a_main_thread_that_holds_the_gil_for_half_the_bound_is_never_silent(
     assert "silent" not in out, out
 
 
-FROZEN_AND_RESUMED = """
-import json, sys, threading, time, datetime
-from neps_bcast.transport import liveness, store
-from neps_bcast.transport.auth import Signer, new_secret
-served = store.serve(datetime.timedelta(seconds=30), loopback=True)
-signer = Signer(new_secret())
-address = f"127.0.0.1:{served.port}"
-said = lambda s: print("silent", s.group_rank, flush=True)
-monitor = liveness.Monitor(address, 2, signer, 1.0, said, lambda r: ("h", None))
-beat = liveness.LeaderBeat(address, 1, signer, 1.0, said, lambda: ("h", None))
+RESUMED_MONITOR = """
+import sys, time
+from neps_bcast.transport import liveness
+from neps_bcast.transport.auth import Signer
+address, bound = sys.argv[1], float(sys.argv[2])
+secret = bytes.fromhex(sys.stdin.readline())
+def said(silence):  # marked: its last beat says so
+    liveness.mark(silence, "named")
+    print("silent", silence.group_rank, flush=True)
+monitor = liveness.Monitor(address, 2, Signer(secret), bound, said, lambda r: ("h1", None))
 while monitor.beats_seen(1) < 3:
     time.sleep(0.02)
 print("ready", flush=True)
-sys.stdin.readline()  # resumed: let both threads look again
+sys.stdin.readline()  # its follower resumed too: let it look at the follower's next beats
 n = monitor.beats_seen(1)
-while monitor.beats_seen(1) < n + 5:
+while monitor.beats_seen(1) < n + 3 and not liveness.any_silent():
     time.sleep(0.02)
 print("done", flush=True)
 """
 
 
-def test_a_process_frozen_and_resumed_whole_blames_no_peer_for_its_own_gap() -> None:
-    """A monitor counts silence only while its own process ran: a whole host frozen for
-    three bounds, then resumed, finds every peer alive."""
-    proc = subprocess.Popen(
-        [PYTHON, "-c", FROZEN_AND_RESUMED],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdin is not None
-    assert proc.stdout is not None
+def test_a_leader_frozen_and_resumed_blames_no_peer_for_its_own_gap(
+    leader_store: TCPStore,
+) -> None:
+    """A monitor counts silence only while its own process ran: a leader frozen for 1.5
+    bounds with its follower (a whole host frozen) and resumed a moment before it looks
+    at the follower's last beat, as old as the freeze, before the next one comes, and
+    blames the follower for nothing. The monitor, the follower's beat and the store each
+    run in a process of their own; the follower is resumed only once the monitor has
+    beaten twice since its own resumption (it looked at least once in between)."""
+    secret = new_secret()
+    signer = Signer(secret)
+    address = f"127.0.0.1:{leader_store.port}"
+    procs = {
+        name: subprocess.Popen(
+            [PYTHON, "-c", script, address, f"{HELD_BOUND:g}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for name, script in (("leader", RESUMED_MONITOR), ("follower", GIL_HOLDER))
+    }
+    leader, follower = procs["leader"], procs["follower"]
+    client = store.connect(address, datetime.timedelta(seconds=WAIT), WAIT)
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGSTOP)
+        for proc in procs.values():
+            assert proc.stdin is not None
+            proc.stdin.write(secret.hex() + "\n")
+            proc.stdin.flush()
+        assert follower.stdout is not None
+        assert follower.stdout.readline().strip() == "ready"
+        assert leader.stdout is not None
+        assert leader.stdout.readline().strip() == "ready"  # it has seen the follower beat
+        for proc in procs.values():
+            proc.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
-        while time.monotonic() - stopped < 3 * BOUND:
-            time.sleep(0.05)  # the fault itself: the process stays frozen this long
-        assert procfs.read_stat(proc.pid) is not None
-        proc.send_signal(signal.SIGCONT)
-        out, _ = proc.communicate("go\n", timeout=WAIT)
+        while time.monotonic() - stopped < 1.5 * HELD_BOUND:
+            time.sleep(0.05)  # the fault itself: the host stays frozen this long
+        assert procfs.read_stat(leader.pid) is not None
+        beaten = _record(client, signer, 0)["n"]
+        leader.send_signal(signal.SIGCONT)
+
+        def looked() -> bool:
+            record = _record(client, signer, 0)
+            return record["n"] >= beaten + 2 or "silent" in record  # its last beat
+
+        wait_until(looked, "the leader's beats since it resumed")
+        follower.send_signal(signal.SIGCONT)
+        out, _ = leader.communicate("go\n", timeout=WAIT)
     finally:
-        proc.kill()
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(WAIT)
     assert out.split() == ["done"]
 
 
@@ -426,12 +457,18 @@ def test_connections_to_a_lost_node_never_include_loopback() -> None:
             a.close()
 
 
-def _count(client: TCPStore, signer: Signer, group_rank: int) -> int:
+def _record(client: TCPStore, signer: Signer, group_rank: int) -> dict[str, Any]:
+    """A rank's last beat record ({"n": 0} before its first)."""
     key = liveness.beat_key(group_rank)
     if not client.check([key]):
-        return 0
+        return {"n": 0}
     record = json.loads(store.take(client, signer, key, sender=group_rank))
-    return int(record["n"])
+    assert isinstance(record, dict)
+    return record
+
+
+def _count(client: TCPStore, signer: Signer, group_rank: int) -> int:
+    return int(_record(client, signer, group_rank)["n"])
 
 
 def test_status_shows_a_trial_whose_leader_found_a_rank_silent_as_suspect() -> None:
