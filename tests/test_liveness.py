@@ -97,9 +97,8 @@ def test_a_follower_finds_its_frozen_leader_silent_within_the_bound(
     assert "timed out" not in logged, logged
     assert beat._client.timeout >= datetime.timedelta(seconds=2 * BOUND)
     (silence,) = verdicts.seen
-    assert (silence.group_rank, silence.pid) == (0, frozen_leader.pid)
+    assert silence.group_rank == 0
     assert silence.doing == "in a meeting of the ranks of trial 3 (#3)"
-    assert silence.silent_s > BOUND
     assert took > BOUND
 
 
@@ -133,14 +132,17 @@ def test_a_beat_whose_wait_times_out_still_leaves_the_verdict_to_the_judge(
         lambda: ("here", frozen_leader.pid),
     )
     try:
+        timing_out = time.monotonic()
         beat._client = TimingOut()  # type: ignore[assignment]
         assert verdicts.event.wait(WAIT), "no verdict on a leader whose waits time out"
+        took = time.monotonic() - timing_out
     finally:
         beat.stop()
         liveness.forget()
     (silence,) = verdicts.seen
-    assert (silence.group_rank, silence.pid) == (0, frozen_leader.pid)
-    assert silence.silent_s > BOUND
+    assert silence.group_rank == 0
+    # The judge ruled once the bound had passed, not at the wait's own end (at once).
+    assert took > BOUND
 
 
 def test_only_a_wait_that_ran_out_counts_as_silence() -> None:
