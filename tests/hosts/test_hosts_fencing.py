@@ -14,11 +14,14 @@ there), and the cell's fault lands then, not after a sleep:
 - clock behind: B 10 min behind, every process of A's launch SIGKILLed at the marker:
   B takes the trial over, having timed its lease unchanged on its own monotonic clock;
 - zombie: every process of A's launch SIGSTOPped at the marker (a whole host frozen)
-  until B has taken the trial over and NePS recorded B's rerun; then SIGCONT: A's
-  leader finds its attempt superseded and exits 1, its group with it, and NePS keeps
-  exactly one result for the trial, B's;
+  until B has taken the trial over and NePS recorded B's rerun; then SIGCONT, A's
+  heartbeat kept from the trial's lease: A's leader trains the trial to its end, NePS's
+  record of its result is refused (the record fence), it exits 1, its group with it,
+  and NePS keeps exactly one result for the trial, B's;
 - cut off from the shared folder: A's host loses it (an empty tmpfs over it, in A's
-  mount namespace only) for as long, its processes running on: the same outcome.
+  mount namespace only) for as long, its processes running on and its leader's main
+  thread held at the marker: the same outcome, but what stops A is its heartbeat,
+  which finds the takeover once the folder is back (the heartbeat fence).
 
 Every leader's first training step of a trial sleeps ``TRIAL_S`` (the ``sleep`` fault):
 B's leader looks for orphans only before a trial, so its trials must span the grace
@@ -65,6 +68,7 @@ from harness import (
 )
 from neps_bcast.compat import procfs
 from neps_bcast.launcher.lease_record import Lease, parse_lease
+from neps_bcast.recovery.lease_file import LOCK_FILE
 
 GRACE_S = 6.0
 """``NEPS_BCAST_LEASE_GRACE_S`` in every cell (the library's default is 300 s)."""
@@ -93,6 +97,9 @@ CELL = "NB_FENCING_CELL"
 """Every process of a cell, on both hosts, carries this marker."""
 ORPHANED = re.compile(r"orphaned trial (\S+) \((.*)\): ")
 SUPERSEDED = "superseded"
+EXITED_S = 2 * HEARTBEAT_S + 10.0
+"""A hang detector: A's leader, its main thread held, has exited this long after the
+folder is back (its heartbeat's next look, a second one, and a loaded machine's slack)."""
 
 
 @dataclass
@@ -209,6 +216,19 @@ def evaluated_by(results: dict[str, Result]) -> dict[str, list[str]]:
     return {tid: [h for _, h in sorted(v)] for tid, v in found.items()}
 
 
+def stored_result(root: Path, trial_id: str) -> dict[str, Any]:
+    """NePS's stored result of ``trial_id``: whose, how, its objective and duration."""
+    report = neps_trials(root)[trial_id].report
+    if report is None:
+        return {}
+    return {
+        "host": (report.extra or {}).get("host", ""),
+        "reported_as": report.reported_as,
+        "objective_to_minimize": report.objective_to_minimize,
+        "evaluation_duration": report.evaluation_duration,
+    }
+
+
 def tails(results: dict[str, Result], n: int = 40) -> str:
     return "\n".join(f"=== {h}\n{r.tail(n)}" for h, r in results.items())
 
@@ -306,6 +326,12 @@ class Takeover:
     """Zombie: seconds from the takeover's record to SIGCONT."""
     exited_after: float | None = None
     """Zombie: seconds from SIGCONT to A's leader's exit."""
+    recorded_at: float = 0.0
+    """When the test saw NePS hold B's result (this machine's wall clock)."""
+    result_then: dict[str, Any] = field(default_factory=dict)
+    """NePS's stored result of the trial then (``stored_result``)."""
+    result_at_end: dict[str, Any] = field(default_factory=dict)
+    """The same once both launches ended."""
 
 
 def taken_over(b: OnHost, trial_id: str, since: float) -> float | None:
@@ -405,12 +431,14 @@ def comes_back(
     back: Callable[[OnHost], None],
     *,
     goes_on: bool,
+    before_back: Callable[[Path], None] = lambda _: None,
 ) -> Takeover:
     """A's host lost (``lose``) at its leader's marker in its first trial, until B has
     taken the trial over and NePS recorded B's rerun; then back (``back``). ``goes_on``:
     A's leader is released from its marker as it is lost (it trains on as soon as it
     can), else it stays there (a main thread stuck, as on a hung mount): what stops it
-    is its heartbeat's finding."""
+    is its heartbeat's finding. ``before_back``: done to the trial's directory while A
+    is still lost, right before it is back."""
     release = tmp / "release"
     with pair(tmp, TAKEOVER_TRIALS) as search:
         a = search.start("h1", f"hold:leader:trial=1:until={release}")
@@ -428,6 +456,8 @@ def comes_back(
             timeout=DEADLINE_S,
         )
         recorded_at = time.time()
+        result_then = stored_result(search.root, trial_id)
+        before_back(trial_dir)
         back(a)
         back_at = time.time()
         runs = {"h1": a.finish(), "h2": b.finish()}
@@ -452,6 +482,9 @@ def comes_back(
             kill_marked(CELL, search.cell),
             back_at - recorded_at,
             exited_after,
+            recorded_at,
+            result_then,
+            stored_result(search.root, trial_id),
         )
 
 
@@ -485,12 +518,6 @@ class ComesBackChecks(TakeoverChecks):
     def test_as_torchrun_exits_with_an_error(self, cell: Takeover) -> None:
         assert cell.runs["h1"].returncode == 1, tails(cell.runs)
 
-    def test_a_recorded_no_result_after_the_fault(self, cell: Takeover) -> None:
-        """Exactly one result for the trial: no record of A's evaluation ending it."""
-        trained = [e for e in cell.runs["h1"].of("trained") if e["t"] > cell.fault_at]
-        refused = "not recorded" in leader_log(cell.runs["h1"])
-        assert trained == [] or refused, (trained, tails(cell.runs))
-
 
 def freeze(run: OnHost) -> None:
     assert signal_marked(MARKER, run.marker, signal.SIGSTOP), "nothing of A's launch to freeze"
@@ -500,14 +527,64 @@ def thaw(run: OnHost) -> None:
     assert signal_marked(MARKER, run.marker, signal.SIGCONT), "nothing of A's launch to thaw"
 
 
+def superseded_lines(cell: Takeover, ending: str) -> list[str]:
+    """A's leader's lines that say its attempt at the trial was superseded by B's, and
+    hold ``ending`` (which fence found it)."""
+    line = f"trial {cell.trial_id}: this leader's attempt 1 was superseded by attempt 2 on"
+    log = leader_log(cell.runs["h1"])
+    return [ln for ln in log.splitlines() if line in ln and " on h2 " in ln and ending in ln]
+
+
+def keep_the_heartbeat_out(trial_dir: Path) -> None:
+    """A directory where the trial's lease lock file was: a heartbeat can no longer take
+    the lock, so it neither renews the lease nor reads it (each try fails, logged), and
+    never finds the takeover. The record fence reads the lease without that lock."""
+    lock = trial_dir / LOCK_FILE
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+
+
 class TestAFrozenHostThatComesBackIsFencedOff(ComesBackChecks):
     """Every process of A's launch SIGSTOPped at its marker (a whole host frozen, found
     by the launch's marker variable) until B has taken the trial over and NePS recorded
-    B's rerun, then SIGCONT; A's leader goes on into its training as soon as it can."""
+    B's rerun, then SIGCONT; A's leader goes on into its training as soon as it can.
+
+    The fence shown here is the record's: A's heartbeat is kept from the trial's lease
+    while A is frozen (``keep_the_heartbeat_out``). Left alone, its overdue heartbeat
+    finds the takeover first, 0.0-0.2 s after SIGCONT, and ends the leader before its
+    training does (the cut-off cell shows that fence): what stops A here is NePS's
+    record of its result, refused."""
 
     @pytest.fixture(scope="class")
     def cell(self, tmp_path_factory: pytest.TempPathFactory) -> Takeover:
-        return comes_back(tmp_path_factory.mktemp("zombie"), "zombie", freeze, thaw, goes_on=True)
+        tmp = tmp_path_factory.mktemp("zombie")
+        return comes_back(
+            tmp, "zombie", freeze, thaw, goes_on=True, before_back=keep_the_heartbeat_out
+        )
+
+    def test_as_leader_trained_the_trial_to_its_end_after_it_came_back(
+        self, cell: Takeover
+    ) -> None:
+        """A's evaluation went on to its result: there was a result to refuse."""
+        trained = [
+            e for e in cell.runs["h1"].of("trained") if e["rank"] == 0 and e["t"] > cell.fault_at
+        ]
+        assert trained, tails(cell.runs)
+
+    def test_as_result_was_refused_as_neps_recorded_it(self, cell: Takeover) -> None:
+        found = superseded_lines(cell, "its result is dropped: not recorded")
+        assert found, leader_log(cell.runs["h1"])[-3000:]
+
+    def test_neps_kept_bs_result_as_it_was_when_b_recorded_it(self, cell: Takeover) -> None:
+        assert cell.result_then.get("host") == "h2", cell.result_then
+        assert cell.result_at_end == cell.result_then, tails(cell.runs)
+
+    def test_as_heartbeat_never_found_the_takeover(self, cell: Takeover) -> None:
+        """The set-up held: back, A's heartbeat failed to take the lease lock and never
+        logged the takeover; the record fence alone found it."""
+        log = leader_log(cell.runs["h1"])
+        assert "could not renew the lease" in log, log[-3000:]
+        assert superseded_lines(cell, "no longer renewing its lease") == [], log[-3000:]
 
 
 class TestAHostCutOffFromTheSharedFolderIsFencedOff(ComesBackChecks):
@@ -535,3 +612,19 @@ class TestAHostCutOffFromTheSharedFolderIsFencedOff(ComesBackChecks):
         """The positive control of the cut: the folder was gone for A's leader."""
         log = leader_log(cell.runs["h1"])
         assert "could not renew the lease" in log, log[-3000:]
+
+    def test_as_heartbeat_found_the_takeover_and_ended_its_leader(self, cell: Takeover) -> None:
+        """The fence shown here is the heartbeat's (A's main thread never left its
+        marker): back, it read the lease, found B's attempt and logged it, and the leader
+        then exited (with 1, checked above) within a few heartbeats of the folder's
+        return."""
+        found = superseded_lines(cell, "no longer renewing its lease")
+        assert found, leader_log(cell.runs["h1"])[-3000:]
+        assert cell.exited_after is not None and cell.exited_after < EXITED_S, cell.exited_after
+
+    def test_as_heartbeat_wrote_nothing_over_bs_lease(self, cell: Takeover) -> None:
+        """The lease's history ends with B's attempt as B left it: its last renewal came
+        before NePS recorded B's result (a renewal of A's once back would be later)."""
+        lease = cell.lease
+        assert lease is not None, tails(cell.runs)
+        assert lease.heartbeat <= cell.recorded_at, (lease, cell.recorded_at)
