@@ -48,7 +48,7 @@ test: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(TEST_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider
 
 # Every other end-to-end scenario (tests/e2e), each launched as users launch it.
-E2E_LAUNCHES ?= 88
+E2E_LAUNCHES ?= 84
 test-e2e: install
 	NEPS_BCAST_LAUNCH_BUDGET=$(E2E_LAUNCHES) OMP_NUM_THREADS=1 $(PY) -m pytest -n $(XDIST) -p no:cacheprovider tests/e2e
 

@@ -19,7 +19,8 @@ ended; seconds only as a hang detector, nested: the bound (``PEER_TIMEOUT_S``) <
 
 No false alarm: a search whose ranks are busy but healthy (the GIL held for half the
 bound on a follower and on the leader, the leader sampling for three bounds, both ranks
-writing a large checkpoint), and a search under load >= 8 on this machine's cores, each
+writing a large checkpoint), and a search whose processes share one core with 4
+CPU-burning ones (a run queue of 6 or more on that core, as load >= 8 on two), each
 finish every trial with no line saying "silent" anywhere: the silent cells above are
 the positive control that such a line is written when a rank is silent.
 """
@@ -391,10 +392,26 @@ class Loaded:
     burning_at_start: int
     burning_at_end: int
     loadavg_at_end: tuple[float, float, float]
+    burners_allowed: set[frozenset[int]]
+    """The cores each burner may run on, as the kernel says (``Cpus_allowed_list``)."""
+    core: set[int]
+    """The one core the burners and the launch were given."""
 
 
-BURNERS = 8
+BURNERS = 4
 BURN = "import time\nend = time.monotonic() + {s}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def allowed_cores(pid: int) -> frozenset[int]:
+    """The cores the kernel lets ``pid`` run on (``Cpus_allowed_list`` of its status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            cores: set[int] = set()
+            for part in line.split(":", 1)[1].strip().split(","):
+                first, _, last = part.partition("-")
+                cores.update(range(int(first), int(last or first) + 1))
+            return frozenset(cores)
+    return frozenset()
 
 
 def is_running(pid: int) -> bool:
@@ -407,9 +424,10 @@ def is_running(pid: int) -> bool:
 
 
 class TestASearchUnderLoadIsNeverTakenForSilent(NoFalseAlarmChecks):
-    """torchrun x2, plain DDP, 3 trials, while 8 processes burn CPU on this machine's
-    cores (each bounded by its own deadline, killed by pid once the launch is over):
-    load >= 8 for the whole launch."""
+    """torchrun x2, plain DDP, 3 trials, pinned to one core with 4 processes that burn
+    CPU there (each bounded by its own deadline, killed by pid once the launch is over):
+    a run queue of 6 or more on the ranks' core for the whole launch, as load >= 8 spread
+    over two cores, while the other core stays free for the tier beside this one."""
 
     trials = 3
     burn_s = 500.0
@@ -417,6 +435,10 @@ class TestASearchUnderLoadIsNeverTakenForSilent(NoFalseAlarmChecks):
 
     @pytest.fixture(scope="class")
     def loaded(self, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Loaded]:
+        # The burners and the launch inherit this worker's affinity: one core, given back
+        # once the launch is over.
+        cores = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {max(cores)})
         burners = [
             subprocess.Popen(
                 [sys.executable, "-c", BURN.format(s=self.burn_s)],
@@ -438,8 +460,11 @@ class TestASearchUnderLoadIsNeverTakenForSilent(NoFalseAlarmChecks):
                 timeout=400.0,
             )
             at_end = sum(is_running(p.pid) for p in burners)
-            yield Loaded(launch, at_start, at_end, os.getloadavg())
+            pinned = {allowed_cores(p.pid) for p in burners}
+            os.sched_setaffinity(0, cores)
+            yield Loaded(launch, at_start, at_end, os.getloadavg(), pinned, {max(cores)})
         finally:
+            os.sched_setaffinity(0, cores)
             for p in burners:
                 p.kill()
                 p.wait()
@@ -448,7 +473,7 @@ class TestASearchUnderLoadIsNeverTakenForSilent(NoFalseAlarmChecks):
     def launch(self, loaded: Loaded) -> Result:
         return loaded.launch
 
-    def test_eight_burners_ran_from_the_launchs_start_to_its_end(
+    def test_the_burners_ran_on_the_ranks_core_from_the_launchs_start_to_its_end(
         self, loaded: Loaded, capsys: pytest.CaptureFixture[str]
     ) -> None:
         with capsys.disabled():
@@ -457,6 +482,7 @@ class TestASearchUnderLoadIsNeverTakenForSilent(NoFalseAlarmChecks):
                 f" the launch took {loaded.launch.seconds:.1f} s"
             )
         assert (loaded.burning_at_start, loaded.burning_at_end) == (BURNERS, BURNERS)
+        assert loaded.burners_allowed == {frozenset(loaded.core)}
 
 
 class TestACollectiveThatTimesOutPutsTheTrialBack(RerunChecks):
