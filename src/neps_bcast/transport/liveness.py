@@ -236,12 +236,16 @@ def _read(client: Store, signer: Signer, group_rank: int) -> dict[str, object] |
 
 def _beater(
     record: dict[str, object], group_rank: int, expected: procfs.Process | None
-) -> procfs.Process:
-    """Who sent ``record``; ``ValueError`` when it names nobody, or another process than
-    ``expected`` (the rank's peer record, or the process that beat before)."""
+) -> procfs.Process | None:
+    """Who sent ``record`` (None: it does not say; it is authentic all the same, signed
+    with the search's key, and a verdict without a process signals nobody); ``ValueError``
+    for a record that names another process than ``expected`` (the rank's peer record, or
+    the process that beat before)."""
+    if record.get("who") is None:
+        return None
     who = procfs.Process.from_json(record.get("who"))
     if who is None:
-        raise ValueError("it does not say which process beats (host, boot id, pid namespace, pid)")
+        raise ValueError("it names no process (host, boot id, pid namespace, pid, start time)")
     if expected is not None and who != expected:
         raise ValueError(
             f"it comes from {who.describe()} ({who.pid_namespace}, started at tick"
@@ -379,7 +383,7 @@ class Monitor:
             beat.doing = str(record.get("doing", "unknown"))
             address = record.get("addr")
             beat.address = address if isinstance(address, str) else None
-            beat.process = who
+            beat.process = who or beat.process
             beat.silent_s = 0.0
             return
         beat.silent_s += gap
@@ -453,7 +457,7 @@ class LeaderBeat:
                 record = _read(self._client, self.signer, 0)
                 if record is not None:
                     expected = self._leader_process() or self._heard
-                    self._heard = _beater(record, 0, expected)
+                    self._heard = _beater(record, 0, expected) or self._heard
             except (AuthError, ValueError) as exc:
                 logger.log(logging.ERROR, "refused the leader's beat: %s", exc)
                 record = None
