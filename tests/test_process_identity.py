@@ -36,7 +36,7 @@ from neps_bcast.transport.auth import Signer, new_secret
 from verdicts import WAIT, Verdicts, wait_until
 
 BOUND = 1.0
-CONTAINER = ["unshare", "--pid", "--fork", "--mount-proc"]
+CONTAINER = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 """A pid namespace of its own, with its own /proc: what a container gives."""
 
 
