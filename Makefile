@@ -96,8 +96,10 @@ test-slurm: install slurm-packages
 # missing). Launches, one torchrun per host: 2 (healthy) + 2 (a partition that heals) +
 # 3 two-host cuts x (2 + 2 again) + the 3-host cut (3 + 3 again) = 22, and
 # tests/hosts/test_hosts_fencing.py's 4 cells x 2 (clock ahead, clock behind, a frozen
-# host, a host cut off from the shared folder) = 30.
-HOSTS_LAUNCHES ?= 30
+# host, a host cut off from the shared folder) = 30, and tests/hosts/test_hosts_containers.py's
+# 2 cells (a frozen follower, a frozen leader, in two containers of one host: one torchrun
+# node each, and again) x 4 = 38.
+HOSTS_LAUNCHES ?= 38
 hosts-packages:
 	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	command -v faketime >/dev/null || (apt-get update -qq && apt-get install -y -qq faketime)
