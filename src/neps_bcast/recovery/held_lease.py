@@ -145,7 +145,6 @@ class HeldLease:
                         return  # dropped meanwhile: the trial ended here
                     if why_not is not None:
                         self._held = self._unwritten = None
-                        self._written.set()
                 if why_not is None:
                     write_lease(trial_dir, lease)
         except OSError as exc:
@@ -154,9 +153,14 @@ class HeldLease:
             self.log(logging.WARNING, "could not write the lease of %s: %s", trial_dir, exc)
             return
         if why_not is not None:
-            self.log(logging.ERROR, "%s; its lease is not written", why_not)
-            if tell and self.on_superseded is not None:
-                self.on_superseded(why_not)
+            try:
+                self.log(logging.ERROR, "%s; its lease is not written", why_not)
+                if tell and self.on_superseded is not None:
+                    self.on_superseded(why_not)
+            finally:
+                with self._lock:
+                    if self._unwritten is None:  # unless a later trial was taken since
+                        self._written.set()  # this attempt is over: nothing to write
             return
         with self._lock:
             if self._unwritten is fresh:
