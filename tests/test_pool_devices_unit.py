@@ -28,12 +28,19 @@ PIDS = itertools.count(10_000_000)  # above any pid_max: never a real process
 
 
 class FakeProc:
-    def __init__(self, code: int | None = None) -> None:
+    def __init__(
+        self, code: int | None = None, signalled: list[tuple[int, int]] | None = None
+    ) -> None:
         self.pid = next(PIDS)
         self.code = code
+        self.signalled = signalled if signalled is not None else []
+        """Where the signals the launcher sends it through ``Popen`` are recorded."""
 
     def poll(self) -> int | None:
         return self.code
+
+    def send_signal(self, sig: int) -> None:
+        self.signalled.append((self.pid, int(sig)))
 
 
 class FakeConn:
@@ -62,7 +69,8 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pool:
     )
 
     def start(role: str, index: int) -> Member:
-        member = Member(role, index, FakeProc(1 if role == "rank" else None), tmp_path / "x.log")  # type: ignore[arg-type]
+        proc = FakeProc(1 if role == "rank" else None, p.killed_pids)  # type: ignore[attr-defined]
+        member = Member(role, index, proc, tmp_path / "x.log")  # type: ignore[arg-type]
         p.members.of(role)[index] = member
         return member
 
