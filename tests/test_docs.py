@@ -720,7 +720,7 @@ GUARANTEES: dict[str, tuple[str, ...]] = {
         "tests/sweep/test_pool_sweep.py::test_every_fault_on_the_pool[pool-ranks]",
         "tests/sweep/test_pool_sweep.py::test_every_fault_on_the_pool[pool-launcher]",
     ),
-    "A silent rank (frozen, hung, its node lost or cut off: nothing closes) is treated as lost within `NEPS_BCAST_PEER_TIMEOUT_S` (30 s) and a few seconds: every surviving rank ends, naming it, its host, its step and how long it was silent, and the trial goes back to `pending`; a busy rank is never taken for silent.": (
+    "A silent rank (frozen, its node lost or cut off: nothing closes) is treated as lost within `NEPS_BCAST_PEER_TIMEOUT_S` (30 s) and a few seconds: every surviving rank ends, naming it, its host, its step and how long it was silent, and the trial goes back to `pending`; a busy rank is never taken for silent.": (
         "tests/test_liveness.py::test_a_follower_finds_its_frozen_leader_silent_within_the_bound",
         "tests/test_liveness.py::test_the_leader_finds_a_follower_whose_beats_stopped_silent_and_names_its_step",
         "tests/test_liveness.py::test_a_main_thread_that_holds_the_gil_for_half_the_bound_is_never_silent",
@@ -731,6 +731,23 @@ GUARANTEES: dict[str, tuple[str, ...]] = {
         "tests/e2e/test_e2e_silent.py::TestASearchUnderLoadIsNeverTakenForSilent::test_no_log_says_a_rank_was_silent",
         "tests/hosts/test_hosts.py::TestTheFollowersHostCutOffMidTraining::test_every_rank_on_a_reachable_host_logs_an_error_naming_the_silent_rank",
         "tests/hosts/test_hosts.py::TestTheLeadersHostCutOffMidTraining::test_the_interrupted_trial_went_back_to_pending",
+    ),
+    "A rank that lives but hangs (its main thread stuck in a call that lets its heartbeat thread run: a deadlock, a hung mount, a driver call) is not silent: `NEPS_BCAST_TRIAL_TIME_LIMIT_S` (unset by default) is what ends its trial, on every rank, and puts it back to `pending`.": (
+        "tests/e2e/test_e2e_silent.py::TestATrialPastItsTimeLimitIsPutBack::test_the_hung_trial_went_back_to_pending",
+        "tests/e2e/test_e2e_silent.py::TestATrialPastItsTimeLimitIsPutBack::test_no_rank_was_taken_for_silent",
+        "tests/e2e/test_e2e_silent.py::TestATrialPastItsTimeLimitIsPutBack::test_the_leader_named_the_limit_and_exited_1",
+    ),
+    "A process is known by its host, boot id, pid namespace, pid and start time: neps_bcast signals no process but the one it means, never another container's process with the same pid number nor one that took a dead process's pid; a silent rank in another container is handled as one on another host.": (
+        "tests/test_process_identity.py::test_a_process_of_another_pid_namespace_with_this_pid_is_never_signalled",
+        "tests/test_process_identity.py::test_a_process_whose_start_time_changed_is_never_signalled",
+        "tests/test_process_identity.py::test_the_real_process_is_signalled_through_its_identity",
+        "tests/hosts/test_hosts_containers.py::TestAFrozenFollowerInAnotherContainerIsHandledAsRemote::test_the_decoy_is_alive_after_the_survivor_ended",
+        "tests/hosts/test_hosts_containers.py::TestAFrozenFollowerInAnotherContainerIsHandledAsRemote::test_the_leader_ended_by_its_follower_lost_error",
+        "tests/hosts/test_hosts_containers.py::TestAFrozenLeaderInAnotherContainerIsLeftToItsLease::test_the_decoy_is_alive_after_the_survivor_ended",
+    ),
+    "No search ends with a trial in doubt: a worker about to end waits for a trial still `evaluating` under a lease it cannot yet prove alive or dead, until it sees the lease renewed or has timed the grace period itself (then it runs the trial), never longer than `NEPS_BCAST_LEASE_GRACE_S` and a heartbeat.": (
+        "tests/test_trial_in_doubt.py::test_a_worker_takes_over_a_dead_hosts_trial_before_it_ends_and_runs_it",
+        "tests/test_trial_in_doubt.py::test_a_worker_whose_trial_in_doubt_is_renewed_ends_without_waiting_out_the_grace",
     ),
     "Nothing outside the job can make a rank run code: every value a rank acts on is HMAC-authenticated ([docs/security.md](docs/security.md)).": (
         "tests/e2e/test_e2e_attacker.py::TestTorchrunWithoutASecret::test_a_rank_refused_what_it_wrote_naming_the_key",
