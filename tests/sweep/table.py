@@ -183,8 +183,8 @@ ROWS = (
     ),
     Row(
         "follower_silent",
-        "a follower is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, hung on a"
-        " mount or a driver call, its node lost or cut off (no FIN, no RST); tested by the"
+        "a follower is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen (SIGSTOP, a"
+        " paused VM), its node lost or cut off (no FIN, no RST); tested by the"
         " `freeze_follower` cells, `tests/e2e/test_e2e_silent.py` and the cut-off cells"
         " of `tests/hosts/test_hosts.py`",
         "`pending`; the leader samples nothing for its broken group",
@@ -194,7 +194,7 @@ ROWS = (
     ),
     Row(
         "leader_silent",
-        "the leader is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, hung, its"
+        "the leader is silent for `NEPS_BCAST_PEER_TIMEOUT_S` (30 s): frozen, its"
         " node lost or cut off; tested by the `freeze_leader` cells,"
         " `tests/e2e/test_e2e_silent.py` and `tests/hosts/test_hosts.py`'s leader's host"
         " cut off",
