@@ -386,3 +386,95 @@ def test_a_trial_put_back_is_handed_out_first_on_entering_neps_run_again_under_a
             Space(),
             **{**options, "overwrite_root_directory": False, "total_evaluations_to_spend": 3},
         )
+
+
+def test_a_trials_metadata_json_names_its_state_and_evaluating_worker(tmp_path: Path) -> None:
+    """``neps_trials.holder``, read without NePS's lock by a leader's thread: the
+    ``state`` and ``evaluating_worker_id`` keys of a trial's ``metadata.json``, as NePS
+    writes them while the trial is evaluated (the worker id given to ``neps.run``) and
+    once it is recorded. If NePS renames either or the file, the fence and the wait for
+    a trial in doubt read nothing (or a ``ValueError``) where NePS holds the trial."""
+    import json
+
+    from neps.state.filebased import ReaderWriterTrial
+
+    from neps_bcast.compat.neps_trials import holder
+
+    during: list[tuple[dict[str, Any], tuple[str, str | None] | None]] = []
+    directories: list[Path] = []
+
+    def evaluate(lr: float, hidden: int, pipeline_directory: Path) -> float:
+        directories.append(Path(pipeline_directory))
+        metadata = Path(pipeline_directory) / ReaderWriterTrial.METADATA_FILENAME
+        during.append((json.loads(metadata.read_text()), holder(Path(pipeline_directory))))
+        return lr
+
+    neps.run(
+        evaluate,
+        Space(),
+        root_directory=tmp_path / "root",
+        total_evaluations_to_spend=1,
+        optimizer="random_search",
+        worker_id="the-worker",
+    )
+    assert ReaderWriterTrial.METADATA_FILENAME == "metadata.json"
+    [(metadata, held)] = during
+    assert metadata.get("state") == "evaluating", (
+        "NePS's metadata.json no longer names an evaluating trial's state under 'state':"
+        f" fix compat/neps_trials.py holder ({sorted(metadata)})"
+    )
+    assert metadata.get("evaluating_worker_id") == "the-worker", (
+        "NePS's metadata.json no longer names the worker evaluating the trial under"
+        f" 'evaluating_worker_id': fix compat/neps_trials.py holder ({sorted(metadata)})"
+    )
+    assert held == ("evaluating", "the-worker")
+    assert holder(directories[0]) == ("success", "the-worker")
+    assert holder(tmp_path / "no trial here") is None
+
+
+def test_re_entering_neps_run_for_n_evaluations_hands_out_a_pending_trial_first(
+    tmp_path: Path,
+) -> None:
+    """``run_entering_again`` after a trial in doubt was taken over (``recovery.in_doubt``):
+    ``neps.run`` returned with its budget reached while another worker's trial was
+    evaluating; that trial, set back to pending, is the one NePS hands out when
+    ``neps.run`` is entered again under a new worker id with
+    ``worker_evaluations_to_spend=1``, and that entry evaluates it only (counted from 0
+    for the new id), nothing new sampled, even with the total budget not reached."""
+
+    class HostDied(BaseException):
+        pass
+
+    root = tmp_path / "root"
+    evaluated: list[str] = []
+
+    def dies(lr: float, hidden: int, pipeline_id: str) -> float:
+        raise HostDied
+
+    def trains(lr: float, hidden: int, pipeline_id: str) -> float:
+        evaluated.append(str(pipeline_id))
+        return lr
+
+    options: dict[str, Any] = {"root_directory": root, "optimizer": "random_search"}
+    with pytest.raises(HostDied):  # trial 1 left evaluating, as a dead host leaves it
+        neps.run(dies, Space(), total_evaluations_to_spend=3, worker_id="a", **options)
+    neps_run.forget_current_trial()
+    neps.run(trains, Space(), total_evaluations_to_spend=3, worker_id="b", **options)
+    assert evaluated == ["2", "3"], "NePS's budget no longer counts an evaluating trial"
+    with neps_compat.locked_trials(root) as book:
+        assert book is not None
+        book.set_pending("1")
+    neps.run(
+        trains,
+        Space(),
+        total_evaluations_to_spend=5,
+        worker_evaluations_to_spend=1,
+        worker_id="b-2",
+        **options,
+    )
+    assert evaluated == ["2", "3", "1"], (
+        "entered again for one evaluation under a new worker id, NePS did not hand out"
+        f" the pending trial (and only it): {evaluated}"
+    )
+    states = {tid: t.metadata.state.value for tid, t in recorded(root).items()}
+    assert states == {"1": "success", "2": "success", "3": "success"}, states
