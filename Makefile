@@ -98,8 +98,9 @@ test-slurm: install slurm-packages
 # tests/hosts/test_hosts_fencing.py's 4 cells x 2 (clock ahead, clock behind, a frozen
 # host, a host cut off from the shared folder) = 30, and tests/hosts/test_hosts_containers.py's
 # 2 cells (a frozen follower, a frozen leader, in two containers of one host: one torchrun
-# node each, and again) x 4 = 38.
-HOSTS_LAUNCHES ?= 38
+# node each, and again) x 4 = 38, and tests/hosts/test_hosts_in_doubt.py's 2 cells (a host
+# killed, the same command at once on another, its clock 10 min behind or not) x 2 = 42.
+HOSTS_LAUNCHES ?= 42
 hosts-packages:
 	command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 	command -v faketime >/dev/null || (apt-get update -qq && apt-get install -y -qq faketime)
