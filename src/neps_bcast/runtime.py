@@ -296,8 +296,14 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
     ``FollowerLostError`` naming the silence. Follower: a silent leader here is
     SIGKILLed, and this process exits with code 1 (``LeaderLostError``) at once, whatever
     it was blocked in.
+
+    A broken watch (``silence.broken``: a liveness thread raised) ends the trial as an
+    infrastructure fault (``_on_broken``): no rank is left unwatched without a word.
     """
     if rt.link.stopping:
+        return
+    if silence.broken is not None:
+        _on_broken(rt, silence.broken)
         return
     process = silence.process
     here = process is not None and process.is_here
@@ -353,6 +359,32 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
         if where
         else "",
         rt.settings.peer_timeout_s,
+    )
+    exit_now(1)
+
+
+def _on_broken(rt: Runtime, why: str) -> None:
+    """This rank's liveness watch broke (``why``: which, and what it raised; the
+    traceback is logged already). Without it a frozen peer would never be found and the
+    lease would be renewed for ever, so the trial ends here as for a lost peer: a leader
+    stops renewing its lease, puts the trial back (pending) and exits 1; a follower
+    exits 1, and its leader, seeing it gone, puts the trial back."""
+    liveness.mark(
+        liveness.Silence(-1, "unknown", None, None, 0.0, liveness.now_doing(), broken=why),
+        "the trial ended",
+    )
+    became = ""
+    if rt.group_rank == 0 and rt.abandon_trial is not None:
+        try:
+            became = f"; the trial it held: {rt.abandon_trial(why)}"
+        except Exception as exc:  # noqa: BLE001 - the exit below must happen: say what failed
+            became = f"; the trial it held: not settled ({type(exc).__name__}: {exc})"
+    logger.log(
+        logging.ERROR,
+        "%s%s. Exiting with code 1: an infrastructure fault, the trial goes back to"
+        " pending. HINT: the traceback above names the fault; please report it.",
+        why,
+        became,
     )
     exit_now(1)
 

@@ -32,9 +32,12 @@ beat connections also carry ``TCP_USER_TIMEOUT`` (the bound) and keepalives, so 
 a beat stuck behind a lost node fails by itself instead of blocking its thread.
 
 What a silent peer costs is decided above this module (``on_silent``): it gets the
-outcome of a lost process. A busy rank is never silent: the store is served by a C++
-thread that needs no GIL, and a main thread that holds the GIL for half the bound
-delays a beat by at most that much.
+outcome of a lost process. A watch that breaks (an exception in the monitor, a beat or
+a judge thread) is no reason to stop watching quietly: it is logged at ERROR with its
+traceback and reaches ``on_silent`` as a verdict of its own (``Silence.broken``), which
+ends the trial as an infrastructure fault. A busy rank is never silent: the store is
+served by a C++ thread that needs no GIL, and a main thread that holds the GIL for half
+the bound delays a beat by at most that much.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import Store
@@ -138,8 +143,13 @@ class Silence:
     silent_s: float
     doing: str
     process: procfs.Process | None = None
+    broken: str | None = None
+    """Not a silent peer but this process's own watch, broken (what raised, in which
+    thread): nobody is signalled, and the trial ends as an infrastructure fault."""
 
     def describe(self) -> str:
+        if self.broken is not None:
+            return self.broken
         pid = f"pid {self.pid}" if self.pid is not None else "pid unknown"
         return (
             f"rank {self.group_rank} ({pid} on host {self.host}) silent for"
@@ -255,6 +265,35 @@ def _beater(
     return who
 
 
+_STORE_ERRORS = (dist.DistError, OSError)
+"""What a store operation raises when its peer is gone or silent (torch's store and
+network errors, the kernel's): anything else in a watch's thread is a broken watch."""
+
+
+def _end_of_watch(
+    watch: str,
+    group_rank: int,
+    exc: BaseException,
+    stopped: threading.Event,
+    on_silent: Callable[[Silence], None],
+    doing: str,
+) -> None:
+    """A watch's thread raised: logged at ERROR with the traceback and, unless the
+    watch was over already, a verdict of its own (nobody signalled, the trial ended as
+    an infrastructure fault). Only a store error after the watch was stopped (the run
+    ends, its store may be gone) is quiet."""
+    if stopped.is_set() and isinstance(exc, _STORE_ERRORS):
+        logger.log(logging.DEBUG, "%s ends: %s", watch, exc)
+        return
+    what = f"{type(exc).__name__}: {exc}"
+    logger.log(logging.ERROR, "%s raised %s", watch, what, exc_info=exc)
+    if stopped.is_set():
+        return  # a verdict was given (its handling raised: logged above) or the run ends
+    stopped.set()
+    text = f"{watch} broke ({what}): no silence would be found from here on"
+    on_silent(Silence(group_rank, "unknown", None, None, 0.0, doing, None, broken=text))
+
+
 def _no_identity(_group_rank: int) -> procfs.Process | None:
     return None
 
@@ -342,6 +381,13 @@ class Monitor:
         return self._beats[group_rank].n
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except Exception as exc:  # noqa: BLE001 - a broken watch ends the trial, never quietly
+            watch = f"the leader's liveness monitor of ranks 1-{self.world_size - 1}"
+            _end_of_watch(watch, -1, exc, self._stopped, self._on_silent, _doing)
+
+    def _watch(self) -> None:
         n = 0
         last_wake = time.monotonic()
         while True:
@@ -350,14 +396,10 @@ class Monitor:
             if self._stopped.is_set():
                 return
             n += 1
-            try:
-                self._put(n)
-                gap, last_wake = _accrue(last_wake, self.beat_s)
-                for r, beat in self._beats.items():
-                    self._look(r, beat, gap)
-            except Exception as exc:  # noqa: BLE001 - our own store is gone: the run ends
-                logger.log(logging.DEBUG, "liveness monitor ends: %s", exc)
-                return
+            self._put(n)
+            gap, last_wake = _accrue(last_wake, self.beat_s)
+            for r, beat in self._beats.items():
+                self._look(r, beat, gap)
 
     def _put(self, n: int) -> None:
         """The leader's own beat (``n`` < 0: the last one, the counter kept)."""
@@ -442,6 +484,16 @@ class LeaderBeat:
         _changed.set()
 
     def _beat(self) -> None:
+        try:
+            self._beats()
+        except Exception as exc:  # noqa: BLE001 - a broken watch ends the trial, never quietly
+            self._break(f"rank {self.group_rank}'s beat to its leader", exc)
+
+    def _break(self, watch: str, exc: BaseException) -> None:
+        doing = leader_step(self._leader_doing)
+        _end_of_watch(watch, 0, exc, self._stopped, self._on_silent, doing)
+
+    def _beats(self) -> None:
         n = 0
         while not self._stopped.is_set():
             n += 1
@@ -461,13 +513,15 @@ class LeaderBeat:
             except (AuthError, ValueError) as exc:
                 logger.log(logging.ERROR, "refused the leader's beat: %s", exc)
                 record = None
-            except Exception as exc:  # noqa: BLE001 - the leader is gone, or silent
-                logger.log(logging.DEBUG, "beat ends: %s", exc)
+            except _STORE_ERRORS as exc:  # the leader is gone, or silent
                 if not _timed_out(exc):
+                    logger.log(logging.DEBUG, "beat ends: %s", exc)
                     self._pending_since = None  # gone (closed, refused): its watch says so
+                    return
                 # A wait that ran out (the store's backstop, the kernel's TCP_USER_TIMEOUT)
                 # is the silence itself: it stays pending, and the judge, which counts only
                 # the time it ran, names the leader once the bound has passed.
+                logger.log(logging.DEBUG, "beat ends: %s", exc)
                 return
             self._pending_since = None
             if record is not None:
@@ -479,6 +533,12 @@ class LeaderBeat:
             _changed.clear()
 
     def _judge(self) -> None:
+        try:
+            self._rule()
+        except Exception as exc:  # noqa: BLE001 - a broken watch ends the trial, never quietly
+            self._break(f"rank {self.group_rank}'s judge of its leader", exc)
+
+    def _rule(self) -> None:
         silent_s = 0.0
         waiting_beat: float | None = None
         last_wake = time.monotonic()

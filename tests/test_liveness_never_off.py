@@ -1,0 +1,186 @@
+"""Liveness that cannot switch itself off (``neps_bcast.transport.liveness`` and what the
+runtime does with its verdicts), on a real TCPStore, with real processes where a verdict
+ends one.
+
+- A watch thread that raises is logged at ERROR with its traceback and ends the trial as
+  an infrastructure fault: it never leaves a rank unwatched without a word.
+
+Bounds: the peer bound here (``BOUND``, 1 s) < each wait for a verdict or an exit
+(``WAIT``) < pytest's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neps_bcast.compat import procfs
+from neps_bcast.compat.torch import TCPStore
+from neps_bcast.transport import liveness, store
+from neps_bcast.transport.auth import Signer, new_secret
+from verdicts import WAIT, Verdicts
+
+BOUND = 1.0
+PYTHON = sys.executable
+
+
+@pytest.fixture
+def leader_store() -> TCPStore:
+    return store.serve(datetime.timedelta(seconds=30), loopback=True)
+
+
+def _address(client: TCPStore) -> str:
+    return f"127.0.0.1:{client.port}"
+
+
+def _count(client: TCPStore, signer: Signer, group_rank: int) -> int:
+    """A rank's last beat counter (0 before its first)."""
+    key = liveness.beat_key(group_rank)
+    if not client.check([key]):
+        return 0
+    record = json.loads(store.take(client, signer, key, sender=group_rank))
+    return int(record["n"])
+
+
+class PeerRecordsBroken(RuntimeError):
+    """What a watch's thread raises in these tests (any bug of ours would do)."""
+
+
+def _broken(_group_rank: int = 0) -> procfs.Process | None:
+    raise PeerRecordsBroken("the peer records cannot be read")
+
+
+def _error_with_traceback(caplog: pytest.LogCaptureFixture, watch: str) -> logging.LogRecord:
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR and watch in r.message]
+    assert record.exc_info is not None
+    assert record.exc_info[0] is PeerRecordsBroken
+    return record
+
+
+def test_a_monitor_that_raises_says_so_at_error_and_gives_a_verdict_of_its_own(
+    leader_store: TCPStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the leader's monitor ended on any exception with a DEBUG line: its
+    followers unwatched, its lease renewed for ever, and nobody told."""
+    caplog.set_level(logging.DEBUG)
+    signer = Signer(new_secret())
+    follower_verdicts = Verdicts[liveness.Silence]()
+    beat = liveness.LeaderBeat(
+        _address(leader_store), 1, signer, BOUND, follower_verdicts, lambda: ("here", None)
+    )
+    verdicts = Verdicts[liveness.Silence]()
+    monitor = liveness.Monitor(
+        _address(leader_store),
+        2,
+        signer,
+        BOUND,
+        verdicts,
+        lambda _r: ("here", None),
+        _broken,  # read once the follower's first beat is there
+    )
+    try:
+        assert verdicts.event.wait(WAIT), "the monitor broke and said nothing"
+    finally:
+        monitor.stop()
+        beat.stop()
+        liveness.forget()
+    (silence,) = verdicts.seen
+    assert silence.broken is not None
+    assert "the leader's liveness monitor of ranks 1-1 broke" in silence.broken
+    assert "PeerRecordsBroken: the peer records cannot be read" in silence.broken
+    assert silence.process is None  # nobody is signalled for it
+    assert silence.describe() == silence.broken
+    _error_with_traceback(caplog, "liveness monitor")
+    assert not monitor.thread.is_alive() or monitor._stopped.is_set()
+    assert follower_verdicts.seen == []
+
+
+def test_a_beat_that_raises_says_so_at_error_and_gives_a_verdict_of_its_own(
+    leader_store: TCPStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, a follower's beat thread ended on any exception with a DEBUG line: its
+    judge then saw no beat waiting and never named a frozen leader."""
+    caplog.set_level(logging.DEBUG)
+    signer = Signer(new_secret())
+    # The leader has beaten: the follower reads its record, and checks who sent it.
+    record = {"n": 1, "doing": "evaluating trial 1 (#1)", "addr": None, "who": None}
+    store.put(leader_store, signer, liveness.beat_key(0), json.dumps(record).encode(), sender=0)
+    verdicts = Verdicts[liveness.Silence]()
+    beat = liveness.LeaderBeat(
+        _address(leader_store),
+        1,
+        signer,
+        BOUND,
+        verdicts,
+        lambda: ("here", None),
+        _broken,
+    )
+    try:
+        assert verdicts.event.wait(WAIT), "the beat broke and said nothing"
+    finally:
+        beat.stop()
+        liveness.forget()
+    (silence,) = verdicts.seen
+    assert silence.broken is not None
+    assert "rank 1's beat to its leader broke" in silence.broken
+    assert silence.group_rank == 0
+    _error_with_traceback(caplog, "beat to its leader")
+
+
+LEADER_WITH_A_BROKEN_MONITOR = """
+import sys
+from neps_bcast import runtime
+from neps_bcast.config import Settings
+from neps_bcast.startup.launch import Launch
+from neps_bcast.transport import liveness, store
+from neps_bcast.transport.auth import Signer, new_secret
+import datetime, threading
+
+def broken(_rank):
+    raise RuntimeError("the peer records cannot be read")
+
+rt = runtime.Runtime(
+    Launch(kind="external", launcher="env", global_rank=0, world_size=2, local_rank=0,
+           node_rank=0, main_address="127.0.0.1", main_port=1),
+    Settings(peer_timeout_s=1.0), Signer(new_secret()))
+def abandon(how):
+    print("GAVE BACK:", how, flush=True)
+    return "trial 7 back to pending"
+rt.abandon_trial = abandon
+served = store.serve(datetime.timedelta(seconds=30), loopback=True)
+address = f"127.0.0.1:{served.port}"
+beat = liveness.LeaderBeat(address, 1, rt.signer, 1.0, lambda s: None, lambda: ("here", None))
+monitor = liveness.Monitor(address, 2, rt.signer, 1.0, rt.link.on_silent,
+                           lambda _r: ("here", None), broken)
+threading.Event().wait(float(sys.argv[1]))  # the old code: the monitor ends, nothing more
+print("STILL RUNNING", flush=True)
+"""
+
+
+def test_a_leader_whose_monitor_breaks_puts_its_trial_back_and_exits_1(tmp_path: Path) -> None:
+    """The runtime's answer to a broken watch: the trial back (an infrastructure fault),
+    the process ended, as for a silent follower it cannot reach."""
+    out = tmp_path / "leader.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            [PYTHON, "-c", LEADER_WITH_A_BROKEN_MONITOR, str(WAIT / 2)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        try:
+            code = proc.wait(WAIT)
+        finally:
+            proc.kill()
+            proc.wait(WAIT)
+    text = out.read_text()
+    assert code == 1, text
+    assert "GAVE BACK: the leader's liveness monitor of ranks 1-1 broke" in text, text
+    assert "STILL RUNNING" not in text
