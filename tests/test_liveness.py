@@ -119,7 +119,9 @@ def test_a_beat_whose_wait_times_out_still_leaves_the_verdict_to_the_judge(
     """A beat's store wait on a silent leader can end by its timeout before the judge
     rules (the kernel's TCP_USER_TIMEOUT at 1.5 bounds, or the store's backstop, when the
     judge was starved): that wait is the silence, so the leader is still named once the
-    bound has passed. Before, the beat thread ended as if answered and no verdict came."""
+    bound has passed. Before, the beat thread ended as if answered and no verdict came.
+    The leader is frozen too: a timed-out beat is tried again on a fresh connection, and
+    a leader that answers that one is no longer silent."""
     assert frozen_leader.stdout is not None
     port = int(frozen_leader.stdout.readline())
     verdicts = Verdicts[liveness.Silence]()
@@ -134,11 +136,18 @@ def test_a_beat_whose_wait_times_out_still_leaves_the_verdict_to_the_judge(
     try:
         timing_out = time.monotonic()
         beat._client = TimingOut()  # type: ignore[assignment]
+        frozen_leader.send_signal(signal.SIGSTOP)
         assert verdicts.event.wait(WAIT), "no verdict on a leader whose waits time out"
         took = time.monotonic() - timing_out
     finally:
         beat.stop()
         liveness.forget()
+        # Its retry's fresh connection waits on the frozen leader: the leader resumed,
+        # it ends, before the leader is killed (a store client still connecting to a
+        # leader gone as the interpreter exits aborts it).
+        frozen_leader.send_signal(signal.SIGCONT)
+        beat._beat_thread.join(WAIT)
+    assert not beat._beat_thread.is_alive()
     (silence,) = verdicts.seen
     assert silence.group_rank == 0
     # The judge ruled once the bound had passed, not at the wait's own end (at once).

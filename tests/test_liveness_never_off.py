@@ -4,6 +4,7 @@ ends one.
 
 - A watch thread that raises is logged at ERROR with its traceback and ends the trial as
   an infrastructure fault: it never leaves a rank unwatched without a word.
+- A beat whose wait timed out is tried again: a leader heard again costs nothing.
 
 Bounds: the peer bound here (``BOUND``, 1 s) < each wait for a verdict or an exit
 (``WAIT``) < pytest's timeout.
@@ -20,12 +21,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import TCPStore
 from neps_bcast.transport import liveness, store
 from neps_bcast.transport.auth import Signer, new_secret
-from verdicts import WAIT, Verdicts
+from verdicts import WAIT, Verdicts, wait_until
 
 BOUND = 1.0
 PYTHON = sys.executable
@@ -184,3 +186,50 @@ def test_a_leader_whose_monitor_breaks_puts_its_trial_back_and_exits_1(tmp_path:
     assert code == 1, text
     assert "GAVE BACK: the leader's liveness monitor of ranks 1-1 broke" in text, text
     assert "STILL RUNNING" not in text
+
+
+class TimesOutOnce:
+    """A store client whose next operation gives up waiting, as torch's does on a leader
+    cut off for a while (its message, for a ``get``); every later one is the real one."""
+
+    def __init__(self, client: TCPStore) -> None:
+        self.client = client
+        self.timed_out = False
+
+    def __getattr__(self, name: str) -> object:
+        if not self.timed_out:
+            self.timed_out = True
+
+            def wait(*_: object, **__: object) -> object:
+                raise torch.distributed.DistStoreError("wait timeout after 300ms, keys: /beat/0")
+
+            return wait
+        return getattr(self.client, name)
+
+
+def test_beats_resume_after_a_wait_that_timed_out(leader_store: TCPStore) -> None:
+    """Before, a beat whose wait timed out ended the beat thread for good: its wait stayed
+    pending, and the judge named a leader that answered again (a healed partition) silent
+    one bound later."""
+    signer = Signer(new_secret())
+    verdicts = Verdicts[liveness.Silence]()
+    beat = liveness.LeaderBeat(
+        _address(leader_store), 1, signer, BOUND, verdicts, lambda: ("here", None)
+    )
+    try:
+        wait_until(lambda: _count(leader_store, signer, 1) >= 3, "three beats answered")
+        timing_out = TimesOutOnce(beat._client)
+        beat._client = timing_out  # type: ignore[assignment]
+        wait_until(lambda: timing_out.timed_out, "a beat's wait timing out")
+        after = _count(leader_store, signer, 1)
+        # Two bounds' worth of beats after it, or a verdict (the old code: one bound on).
+        target = after + 2 * liveness.BEATS_PER_BOUND
+        wait_until(
+            lambda: bool(verdicts.seen) or _count(leader_store, signer, 1) >= target,
+            "the beats resumed, or a verdict",
+        )
+    finally:
+        beat.stop()
+        liveness.forget()
+    assert verdicts.seen == [], verdicts.seen[0].describe()
+    assert _count(leader_store, signer, 1) >= target

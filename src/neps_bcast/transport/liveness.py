@@ -35,9 +35,11 @@ What a silent peer costs is decided above this module (``on_silent``): it gets t
 outcome of a lost process. A watch that breaks (an exception in the monitor, a beat or
 a judge thread) is no reason to stop watching quietly: it is logged at ERROR with its
 traceback and reaches ``on_silent`` as a verdict of its own (``Silence.broken``), which
-ends the trial as an infrastructure fault. A busy rank is never silent: the store is
-served by a C++ thread that needs no GIL, and a main thread that holds the GIL for half
-the bound delays a beat by at most that much.
+ends the trial as an infrastructure fault. A beat whose wait ran out is tried again on a
+fresh connection, its silence counted from the first unanswered beat: a partition that
+heals within the bound costs nothing, and one that does not is named as before. A busy
+rank is never silent: the store is served by a C++ thread that needs no GIL, and a main
+thread that holds the GIL for half the bound delays a beat by at most that much.
 """
 
 from __future__ import annotations
@@ -469,6 +471,7 @@ class LeaderBeat:
         self._pending_since: float | None = None
         self._leader_doing = "unknown"
         self._address = _route_to(address.rpartition(":")[0])
+        self._store = address
         before = set(sockets.socket_inodes())
         self._client = store.connect(address, _store_timeout(bound_s), bound_s)
         _guard_connections(before, bound_s)
@@ -497,7 +500,8 @@ class LeaderBeat:
         n = 0
         while not self._stopped.is_set():
             n += 1
-            self._pending_since = time.monotonic()
+            if self._pending_since is None:  # else a beat that timed out is tried again
+                self._pending_since = time.monotonic()
             try:
                 store.put(
                     self._client,
@@ -519,10 +523,14 @@ class LeaderBeat:
                     self._pending_since = None  # gone (closed, refused): its watch says so
                     return
                 # A wait that ran out (the store's backstop, the kernel's TCP_USER_TIMEOUT)
-                # is the silence itself: it stays pending, and the judge, which counts only
-                # the time it ran, names the leader once the bound has passed.
-                logger.log(logging.DEBUG, "beat ends: %s", exc)
-                return
+                # is the silence itself: it stays pending, so the judge, which counts only
+                # the time it ran, names the leader once the bound has passed; meanwhile
+                # the beat is tried again on a fresh connection (the old one may still
+                # owe a late answer), and a leader heard again clears it.
+                logger.log(logging.WARNING, "a beat to the leader timed out (%s); again", exc)
+                if self._stopped.wait(self.beat_s) or not self._reconnect():
+                    return
+                continue
             self._pending_since = None
             if record is not None:
                 self._leader_doing = str(record.get("doing", "unknown"))
@@ -531,6 +539,22 @@ class LeaderBeat:
                     _leader_found = str(record["silent"])
             _changed.wait(self.beat_s)
             _changed.clear()
+
+    def _reconnect(self) -> bool:
+        """A fresh connection to the leader's store after a beat timed out; False when
+        the leader is gone (refused: its watch says so). One that times out too stays
+        pending, and is tried again."""
+        before = set(sockets.socket_inodes())
+        try:
+            self._client = store.connect(self._store, _store_timeout(self.bound_s), self.bound_s)
+        except _STORE_ERRORS as exc:
+            if not _timed_out(exc):
+                logger.log(logging.DEBUG, "beat ends: %s", exc)
+                self._pending_since = None
+                return False
+            return True
+        _guard_connections(before, self.bound_s)
+        return True
 
     def _judge(self) -> None:
         try:
