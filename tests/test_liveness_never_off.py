@@ -5,6 +5,7 @@ ends one.
 - A watch thread that raises is logged at ERROR with its traceback and ends the trial as
   an infrastructure fault: it never leaves a rank unwatched without a word.
 - A beat whose wait timed out is tried again: a leader heard again costs nothing.
+- A leader silent in the goodbye after STOP ends its follower within the peer bound.
 
 Bounds: the peer bound here (``BOUND``, 1 s) < each wait for a verdict or an exit
 (``WAIT``) < pytest's timeout.
@@ -16,8 +17,10 @@ import datetime
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,10 +35,32 @@ from verdicts import WAIT, Verdicts, wait_until
 BOUND = 1.0
 PYTHON = sys.executable
 
+SERVE = """
+import datetime, sys
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                  timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
 
 @pytest.fixture
 def leader_store() -> TCPStore:
     return store.serve(datetime.timedelta(seconds=30), loopback=True)
+
+
+@pytest.fixture
+def leader() -> Iterator[subprocess.Popen[str]]:
+    """A process serving a store, as a leader does; a test may freeze it."""
+    proc = subprocess.Popen(
+        [PYTHON, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(WAIT)
 
 
 def _address(client: TCPStore) -> str:
@@ -233,3 +258,87 @@ def test_beats_resume_after_a_wait_that_timed_out(leader_store: TCPStore) -> Non
         liveness.forget()
     assert verdicts.seen == [], verdicts.seen[0].describe()
     assert _count(leader_store, signer, 1) >= target
+
+
+FOLLOWER_IN_ITS_GOODBYE = """
+import sys, threading
+from neps_bcast import runtime
+from neps_bcast.config import Settings
+from neps_bcast.roles import follower
+from neps_bcast.startup.launch import Launch
+from neps_bcast.transport import liveness
+from neps_bcast.transport.auth import Signer
+from neps_bcast.transport.channel import ChannelClosedError
+from neps_bcast.transport.messages import StopMessage
+
+address, secret, goodbye_bound = sys.argv[1], bytes.fromhex(sys.argv[2]), float(sys.argv[3])
+
+class LeaderFrozenAfterStop:
+    # The leader sent STOP and froze: its goodbye never comes (the old code waited here
+    # for NEPS_BCAST_WAIT_TIMEOUT_S; this fake, for goodbye_bound).
+    world_size = 2
+    def __init__(self):
+        self.closed = threading.Event()
+    def allgather(self, payload):
+        self.closed.wait(goodbye_bound)
+        raise ChannelClosedError("closed by peer")
+    def close(self):
+        self.closed.set()
+
+rt = runtime.Runtime(
+    Launch(kind="external", launcher="env", global_rank=1, world_size=2, local_rank=1,
+           node_rank=0, main_address="127.0.0.1", main_port=1),
+    Settings(peer_timeout_s=1.0), Signer(secret))
+rt.link.channel = LeaderFrozenAfterStop()
+rt.receive = lambda: StopMessage("the search is over (the leader's neps.run returned)")
+rt.link.liveness = liveness.LeaderBeat(
+    address, 1, rt.signer, 1.0, rt.link.on_silent, lambda: ("leader host", None))
+sys.stdin.readline()  # the test froze the leader
+with rt.activated():
+    follower.follow(rt, lambda **kw: 0.0, None)
+print("GOODBYE RETURNED", flush=True)
+"""
+
+
+def test_a_leader_frozen_between_stop_and_goodbye_ends_its_follower_within_the_bound(
+    leader: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    """Before, a follower set ``stopping`` before its goodbye and every silence verdict
+    was ignored from then on: a leader frozen there left it in the goodbye's wait."""
+    assert leader.stdout is not None
+    port = int(leader.stdout.readline())
+    secret = new_secret()
+    signer = Signer(secret)
+    out = tmp_path / "follower.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen(
+            [
+                PYTHON,
+                "-c",
+                FOLLOWER_IN_ITS_GOODBYE,
+                f"127.0.0.1:{port}",
+                secret.hex(),
+                str(WAIT / 2),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        try:
+            client = store.connect(f"127.0.0.1:{port}", datetime.timedelta(seconds=WAIT), WAIT)
+            # Positive control: the follower's beats are answered before the freeze.
+            wait_until(lambda: _count(client, signer, 1) >= 3, "three beats answered")
+            leader.send_signal(signal.SIGSTOP)
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.close()
+            code = proc.wait(WAIT)
+        finally:
+            proc.kill()
+            proc.wait(WAIT)
+    text = out.read_text()
+    assert code == 1, text
+    assert "lost the leader: rank 0 (pid unknown on host leader host) silent for" in text, text
+    assert "GOODBYE RETURNED" not in text

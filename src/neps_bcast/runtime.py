@@ -91,6 +91,9 @@ class Runtime:
         thread; returns what became of it (set by ``leader.lead``)."""
         self.devices: tuple[int, ...] | None = None
         """A pool's trial: the device index of each rank, in rank order (else None)."""
+        self.saying_goodbye = False
+        """Follower in its goodbye: a silent leader there still ends it (the wait is
+        bounded by the peer bound), though losing the leader after STOP is normal."""
 
     @property
     def world_size(self) -> int | None:
@@ -263,10 +266,13 @@ class Runtime:
         """Leader and followers at STOP: the leader exits only after every goodbye."""
         if self.link.channel is None:
             return
+        self.saying_goodbye = True
         try:
             self._on_channel(lambda c: self.steps.goodbye(c, self.tag))
         except (LeaderLostError, FollowerLostError):
             self.log(logging.DEBUG, "a peer left before saying goodbye")
+        finally:
+            self.saying_goodbye = False
 
     def close(self) -> None:
         self.link.close()
@@ -295,13 +301,14 @@ def _on_silent(rt: Runtime, silence: liveness.Silence) -> None:
     had died, and the trial ends as for a lost follower: back to ``pending``,
     ``FollowerLostError`` naming the silence. Follower: a silent leader here is
     SIGKILLed, and this process exits with code 1 (``LeaderLostError``) at once, whatever
-    it was blocked in.
+    it was blocked in; so does one in the goodbye after STOP (a leader frozen between STOP
+    and the goodbye), whose wait is otherwise bounded only by NEPS_BCAST_WAIT_TIMEOUT_S.
 
     A broken watch (``silence.broken``: a liveness thread raised) ends the trial as an
     infrastructure fault (``_on_broken``): no rank is left unwatched without a word.
     """
-    if rt.link.stopping:
-        return
+    if rt.link.stopping and not rt.saying_goodbye:
+        return  # the follower is leaving: losing its leader now is normal
     if silence.broken is not None:
         _on_broken(rt, silence.broken)
         return

@@ -56,6 +56,9 @@ def follow(rt: Runtime, fn: Callable[..., Any], first: TrialMessage | None) -> N
         del outcome
         log_freed(rt, free_what_trials_left())
         message, held = _receive(rt)
+    # The leader leaving is normal from now on (its watch ends quietly), but not its
+    # silence before the goodbye: a leader frozen there is still named within the peer
+    # bound and ends this rank (``runtime.say_goodbye``), never NEPS_BCAST_WAIT_TIMEOUT_S.
     rt.link.stopping = True
     rt.log(logging.INFO, "stopping: %s", message.reason)
     rt.say_goodbye()
