@@ -314,6 +314,7 @@ OUT_OF_SIGHT = textwrap.dedent(
     import json, socket, sys
     from neps_bcast.transport import sockets
     outside = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    outside.recv(1)  # the server took it off its accept queue: its end is a file now
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
@@ -332,9 +333,16 @@ OUT_OF_SIGHT = textwrap.dedent(
 
 
 def _serve_one(server: socket.socket, held: list[socket.socket]) -> threading.Thread:
-    """Accept one connection on ``server`` (a thread) and hold it: a socket in the accept
-    queue has no file yet, so nobody holds it."""
-    thread = threading.Thread(target=lambda: held.append(server.accept()[0]), daemon=True)
+    """Accept one connection on ``server`` (a thread), hold it and say so (one byte): a
+    socket still in the accept queue has no file yet (inode 0 in ``/proc/net/tcp``), so no
+    process holds it and its connection cannot be told apart until it is accepted."""
+
+    def serve() -> None:
+        conn = server.accept()[0]
+        held.append(conn)
+        conn.sendall(b"!")
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     return thread
 
