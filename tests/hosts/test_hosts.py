@@ -7,7 +7,7 @@ A cell that cuts a host stops one rank at a marker (``hold``, tests/scripts/faul
 its "fault" record says the rank is there), pulls the host's cable, and lets the rank
 go on into its collectives: no sleep decides when the cut lands.
 
-What a cut must cost (issue 42; ``NEPS_BCAST_PEER_TIMEOUT_S``): every rank that lives
+What a cut must cost (``NEPS_BCAST_PEER_TIMEOUT_S``): every rank that lives
 on exits with an error within the bound plus a few seconds, its log naming the silent
 rank; the trial goes back to ``pending`` (a cut-off leader sees its followers silent
 and hands it back too: it can still write the shared folder); after the cable is back
