@@ -82,6 +82,27 @@ def test_a_late_first_write_stops_where_neps_no_longer_holds_the_trial_for_it(
     assert said[0].endswith("(NePS holds it pending, evaluated by nobody)")
 
 
+def test_a_first_write_after_this_leader_settled_its_trial_stops_without_a_word(
+    leases: Leases, tmp_path: Path
+) -> None:
+    """A step of the leader's own raised at once (the sweep's ``leased`` x ``raise``): it
+    recorded the trial crashed itself before the heartbeat thread wrote the lease. That
+    attempt is over and nobody else's: no lease is written, and the leader is not told it
+    was superseded (it would exit 1 and stop the search)."""
+    said: list[str] = []
+    leases.held.on_superseded = said.append
+    try:
+        with leases.held.io:  # the heartbeat thread's first write waits here
+            assert leases.take("7", tmp_path) == 1
+            record = {"state": "crashed", "evaluating_worker_id": leases.me.worker_id()}
+            (tmp_path / "metadata.json").write_text(json.dumps(record))
+        assert leases.written(WAIT)
+    finally:
+        leases.close()
+    assert read_lease(tmp_path) is None
+    assert said == []
+
+
 def test_the_first_write_goes_ahead_where_neps_holds_the_trial_for_this_leader(
     leases: Leases, tmp_path: Path
 ) -> None:

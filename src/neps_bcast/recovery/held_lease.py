@@ -25,6 +25,11 @@ from neps_bcast.recovery.fence import superseded
 from neps_bcast.recovery.lease_file import Lease, Owner, lease_lock, read_lease, write_lease
 from neps_bcast.transport import liveness
 
+FINISHED = ("success", "crashed")
+"""NePS's states of a trial that has its result."""
+ENDED_HERE = "the trial ended here: NePS holds its result, recorded by this leader"
+"""Why a first write is not made though no other attempt holds the trial (``_not_ours``)."""
+
 
 class HeldLease:
     """This leader's lease on the trial it evaluates, kept by a thread of its own."""
@@ -152,6 +157,14 @@ class HeldLease:
             # written, a leader elsewhere takes the trial over after the grace period.
             self.log(logging.WARNING, "could not write the lease of %s: %s", trial_dir, exc)
             return
+        if why_not is ENDED_HERE:
+            # This leader settled the trial itself before the thread wrote its lease (a
+            # step of its own raised at once, and the trial was recorded crashed): the
+            # attempt is over, nobody else's.
+            with self._lock:
+                if self._unwritten is None:
+                    self._written.set()
+            return
         if why_not is not None:
             try:
                 self.log(logging.ERROR, "%s; its lease is not written", why_not)
@@ -189,6 +202,8 @@ class HeldLease:
         worker = Owner.from_worker_id(worker_id)
         if state == "evaluating" and (worker is None or worker == self.me):
             return None
+        if state in FINISHED and worker == self.me:
+            return ENDED_HERE
         by = f"worker {worker_id}" if state == "evaluating" else "nobody"
         return (
             f"{superseded(lease.trial_id, lease.attempt, on_disk)} (NePS holds it"
