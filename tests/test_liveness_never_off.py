@@ -30,19 +30,10 @@ from neps_bcast.compat import procfs
 from neps_bcast.compat.torch import TCPStore
 from neps_bcast.transport import liveness, store
 from neps_bcast.transport.auth import Signer, new_secret
-from verdicts import WAIT, Verdicts, wait_until
+from verdicts import WAIT, Verdicts, store_process, wait_until
 
 BOUND = 1.0
 PYTHON = sys.executable
-
-SERVE = """
-import datetime, sys
-import torch.distributed as dist
-s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                  timeout=datetime.timedelta(seconds=60))
-print(s.port, flush=True)
-sys.stdin.read()
-"""
 
 
 @pytest.fixture
@@ -53,14 +44,8 @@ def leader_store() -> TCPStore:
 @pytest.fixture
 def leader() -> Iterator[subprocess.Popen[str]]:
     """A process serving a store, as a leader does; a test may freeze it."""
-    proc = subprocess.Popen(
-        [PYTHON, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
+    with store_process() as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait(WAIT)
 
 
 def _address(client: TCPStore) -> str:
